@@ -1,0 +1,191 @@
+//! `config.json` of an MLX/HF checkpoint: VLM `text_config` nesting, rope spellings, the quantization block.
+
+use std::path::{Path, PathBuf};
+
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use crate::error::{ModelError, Result};
+use crate::quant::QuantConfig;
+
+/// A parsed `config.json`: the text model's fields plus the (top-level) quantization block.
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    /// Where it was read from (for error messages).
+    pub path: PathBuf,
+    /// The text model's own fields (`text_config` if nested, else the root), with rope keys normalised.
+    pub text: Value,
+    /// The `quantization` block, if any.
+    pub quant: QuantConfig,
+    /// `model_type` of the text model.
+    pub model_type: String,
+}
+
+impl ModelConfig {
+    /// Reads `dir/config.json`.
+    pub fn load(dir: &Path) -> Result<Self> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        Self::parse(&path, &text)
+    }
+
+    /// Parses config text; `path` is used in errors only.
+    pub fn parse(path: &Path, text: &str) -> Result<Self> {
+        let bad = |message: String| ModelError::Config {
+            path: path.to_path_buf(),
+            message,
+        };
+        let root: Value =
+            serde_json::from_str(text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
+        let Value::Object(root_map) = &root else {
+            return Err(bad("expected a JSON object".into()));
+        };
+        // VLM-style checkpoints keep the language model's fields in `text_config`; the quantization block
+        // stays at the top level.
+        let mut text = match root_map.get("text_config") {
+            Some(Value::Object(t)) => {
+                let mut t = t.clone();
+                for (k, v) in root_map {
+                    if k != "text_config" && !t.contains_key(k) && !k.starts_with("quantization") {
+                        t.insert(k.clone(), v.clone());
+                    }
+                }
+                Value::Object(t)
+            }
+            _ => root.clone(),
+        };
+        normalise_rope(&mut text);
+        let model_type = text
+            .get("model_type")
+            .and_then(Value::as_str)
+            .or_else(|| root.get("model_type").and_then(Value::as_str))
+            .ok_or_else(|| bad("missing `model_type`".into()))?
+            .to_string();
+        let quant_block = root
+            .get("quantization")
+            .or_else(|| root.get("quantization_config"));
+        let quant = QuantConfig::parse(quant_block).map_err(bad)?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            text,
+            quant,
+            model_type,
+        })
+    }
+
+    /// Deserializes the text fields into an architecture's config struct, naming the file on error.
+    pub fn typed<T: DeserializeOwned>(&self) -> Result<T> {
+        serde_json::from_value(self.text.clone()).map_err(|e| ModelError::Config {
+            path: self.path.clone(),
+            message: e.to_string(),
+        })
+    }
+
+    /// A config error naming this file.
+    pub fn error(&self, message: impl Into<String>) -> ModelError {
+        ModelError::Config {
+            path: self.path.clone(),
+            message: message.into(),
+        }
+    }
+
+    /// `eos_token_id` as a list (it may be a single id or a list).
+    pub fn eos_token_ids(&self) -> Vec<u32> {
+        match self.text.get("eos_token_id") {
+            Some(Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .filter_map(Value::as_u64)
+                .map(|v| v as u32)
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+}
+
+/// transformers ≥ 5 writes `rope_parameters: {rope_theta, rope_type, ...}` instead of `rope_theta` +
+/// `rope_scaling`; fold it into the legacy keys so model configs read one spelling.
+fn normalise_rope(text: &mut Value) {
+    let Value::Object(map) = text else { return };
+    let Some(Value::Object(params)) = map.get("rope_parameters").cloned() else {
+        return;
+    };
+    if let (false, Some(theta)) = (map.contains_key("rope_theta"), params.get("rope_theta")) {
+        map.insert("rope_theta".into(), theta.clone());
+    }
+    if let (false, Some(f)) = (
+        map.contains_key("partial_rotary_factor"),
+        params.get("partial_rotary_factor"),
+    ) {
+        map.insert("partial_rotary_factor".into(), f.clone());
+    }
+    let kind = params
+        .get("rope_type")
+        .or_else(|| params.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    if kind != "default" && !map.get("rope_scaling").is_some_and(|v| !v.is_null()) {
+        map.insert("rope_scaling".into(), Value::Object(params));
+    }
+}
+
+/// Rope scaling as written in `rope_scaling` (HF field names).
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+pub struct RopeScaling {
+    /// "default", "linear", "yarn" (`type` in older configs).
+    #[serde(alias = "type")]
+    pub rope_type: Option<String>,
+    /// Scale factor.
+    pub factor: Option<f64>,
+    /// YaRN: context length the model was trained at.
+    pub original_max_position_embeddings: Option<f64>,
+    /// YaRN: fast boundary.
+    pub beta_fast: Option<f64>,
+    /// YaRN: slow boundary.
+    pub beta_slow: Option<f64>,
+    /// YaRN: magnitude scale numerator.
+    pub mscale: Option<f64>,
+    /// YaRN: magnitude scale denominator.
+    pub mscale_all_dim: Option<f64>,
+    /// YaRN: whether to floor/ceil the correction range (HF's `truncate`, default true).
+    pub truncate: Option<bool>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nested_text_config_and_rope_parameters() {
+        let c = ModelConfig::parse(
+            Path::new("c.json"),
+            r#"{"model_type":"qwen3_vl_moe","text_config":{"model_type":"qwen3_moe","hidden_size":8,
+                "rope_parameters":{"rope_type":"default","rope_theta":5000.0}},
+                "eos_token_id":[1,2],"quantization":{"group_size":64,"bits":4}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.model_type, "qwen3_moe");
+        assert_eq!(c.text["rope_theta"], 5000.0);
+        assert!(c.text.get("rope_scaling").is_none());
+        assert_eq!(c.eos_token_ids(), vec![1, 2]);
+        assert_eq!(c.quant.default.unwrap().bits, 4);
+    }
+
+    #[test]
+    fn garbled_or_incomplete_config_names_the_file() {
+        let e = ModelConfig::parse(Path::new("/m/config.json"), "{not json")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("/m/config.json") && e.contains("not valid JSON"),
+            "{e}"
+        );
+        let e = ModelConfig::parse(Path::new("/m/config.json"), "{}")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("model_type"), "{e}");
+    }
+}

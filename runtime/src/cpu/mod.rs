@@ -1,0 +1,330 @@
+//! The `cpu` backend's matrix kernels: MLX affine-quantized and dense (bf16/f16/f32) weights times f32
+//! activations, SIMD with runtime dispatch (AVX-512 / AVX2+FMA / NEON) over a scalar reference.
+//!
+//! A matmul walks weight rows in parallel (rayon). Each row is unpacked once into f32 codes, then every
+//! token's dot product is taken per group: `y = Σ_g scale_g·(q_g·x_g) + bias_g·Σx_g`. Each output element is
+//! computed by one thread in a fixed order, so results do not depend on thread count or on how many tokens
+//! share the call: a prefill row equals the same token decoded alone, bit for bit.
+
+#[cfg(target_arch = "aarch64")]
+mod neon;
+mod scalar;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use std::sync::OnceLock;
+
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+pub use scalar::reference_matmul;
+
+/// Float types that weights, scales and biases are stored in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FloatType {
+    /// IEEE single.
+    F32,
+    /// IEEE half.
+    F16,
+    /// bfloat16.
+    BF16,
+}
+
+impl FloatType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            FloatType::F32 => 4,
+            _ => 2,
+        }
+    }
+
+    /// Element `i` of a little-endian buffer of this type, as f32 (the caller guarantees the bound).
+    #[inline(always)]
+    pub fn get(self, bytes: &[u8], i: usize) -> f32 {
+        match self {
+            FloatType::F32 => {
+                let b = &bytes[i * 4..i * 4 + 4];
+                f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+            }
+            FloatType::F16 => {
+                f16::from_bits(u16::from_le_bytes([bytes[i * 2], bytes[i * 2 + 1]])).to_f32()
+            }
+            FloatType::BF16 => {
+                bf16::from_bits(u16::from_le_bytes([bytes[i * 2], bytes[i * 2 + 1]])).to_f32()
+            }
+        }
+    }
+
+    /// Converts `out.len()` elements starting at element `start` to f32.
+    pub fn to_f32(self, bytes: &[u8], start: usize, out: &mut [f32]) {
+        for (j, o) in out.iter_mut().enumerate() {
+            *o = self.get(bytes, start + j);
+        }
+    }
+}
+
+/// An MLX affine-quantized matrix `[rows, cols]` viewed in place: codes packed as a little-endian bit stream
+/// per row, one scale and one bias per `group` consecutive columns (`w = scale·q + bias`; scales may be
+/// negative).
+#[derive(Debug, Clone, Copy)]
+pub struct QuantMatrix<'a> {
+    /// Packed codes, `rows × cols·bits/8` bytes.
+    pub packed: &'a [u8],
+    /// Scales, `rows × cols/group` elements of `scale_type`.
+    pub scales: &'a [u8],
+    /// Biases, same shape and type as the scales.
+    pub biases: &'a [u8],
+    /// Element type of scales and biases.
+    pub scale_type: FloatType,
+    /// Bits per code: 2, 3, 4, 5, 6 or 8.
+    pub bits: u32,
+    /// Columns per scale/bias group: 32, 64 or 128.
+    pub group: usize,
+    /// Output features.
+    pub rows: usize,
+    /// Input features.
+    pub cols: usize,
+}
+
+/// A dense float matrix `[rows, cols]` viewed in place.
+#[derive(Debug, Clone, Copy)]
+pub struct DenseMatrix<'a> {
+    /// Row-major elements.
+    pub data: &'a [u8],
+    /// Their type.
+    pub dtype: FloatType,
+    /// Output features.
+    pub rows: usize,
+    /// Input features.
+    pub cols: usize,
+}
+
+/// A weight matrix in any supported storage format.
+#[derive(Debug, Clone, Copy)]
+pub enum MatRef<'a> {
+    /// Unquantized.
+    Dense(DenseMatrix<'a>),
+    /// MLX affine quantized.
+    Quant(QuantMatrix<'a>),
+}
+
+/// Instruction sets the kernels can use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// Portable scalar code.
+    Scalar,
+    /// x86-64 AVX2 + FMA.
+    Avx2,
+    /// x86-64 AVX-512F (unpacking uses AVX2).
+    Avx512,
+    /// AArch64 NEON.
+    Neon,
+}
+
+impl Isa {
+    /// The best instruction set this CPU supports (overridable with `SLUICE_ISA=scalar|avx2|avx512|neon`).
+    pub fn detect() -> Isa {
+        static BEST: OnceLock<Isa> = OnceLock::new();
+        *BEST.get_or_init(|| {
+            let all = Isa::available();
+            let wanted = std::env::var("SLUICE_ISA")
+                .ok()
+                .map(|s| s.to_ascii_lowercase());
+            if let Some(w) = wanted {
+                if let Some(i) = all
+                    .iter()
+                    .find(|i| format!("{i:?}").to_ascii_lowercase() == w)
+                {
+                    return *i;
+                }
+                tracing::warn!(
+                    "SLUICE_ISA={w} is not available on this CPU; using {:?}",
+                    all[0]
+                );
+            }
+            all[0]
+        })
+    }
+
+    /// Every instruction set this CPU supports, best first (always ends with `Scalar`).
+    pub fn available() -> Vec<Isa> {
+        #[allow(unused_mut)]
+        let mut v = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+            if avx2 && is_x86_feature_detected!("avx512f") {
+                v.push(Isa::Avx512);
+            }
+            if avx2 {
+                v.push(Isa::Avx2);
+            }
+        }
+        #[cfg(target_arch = "aarch64")]
+        {
+            if std::arch::is_aarch64_feature_detected!("neon") {
+                v.push(Isa::Neon);
+            }
+        }
+        v.push(Isa::Scalar);
+        v
+    }
+
+    /// `Σ a[i]·b[i]` over equal-length slices.
+    #[inline]
+    pub fn dot(self, a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let (a, b) = (&a[..n], &b[..n]);
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => x86::dot_avx2(a, b),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => x86::dot_avx512(a, b),
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => neon::dot(a, b),
+            _ => scalar::dot(a, b),
+        }
+    }
+
+    /// Unpacks `out.len()` codes of `bits` bits from the start of a packed row into f32 values.
+    #[inline]
+    pub fn unpack(self, bits: u32, packed: &[u8], out: &mut [f32]) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 | Isa::Avx512 if matches!(bits, 2 | 4 | 8) => {
+                x86::unpack_avx2(bits, packed, out)
+            }
+            _ => scalar::unpack(bits, packed, out),
+        }
+    }
+}
+
+/// Work below this many weight elements runs on the calling thread (rayon's overhead would dominate).
+const PAR_MIN_ELEMS: usize = 1 << 15;
+
+impl MatRef<'_> {
+    /// Output features.
+    pub fn rows(&self) -> usize {
+        match self {
+            MatRef::Dense(d) => d.rows,
+            MatRef::Quant(q) => q.rows,
+        }
+    }
+
+    /// Input features.
+    pub fn cols(&self) -> usize {
+        match self {
+            MatRef::Dense(d) => d.cols,
+            MatRef::Quant(q) => q.cols,
+        }
+    }
+
+    /// Row `r` dequantized to f32 (`out.len() == cols`).
+    pub fn row(&self, isa: Isa, r: usize, out: &mut [f32]) {
+        match self {
+            MatRef::Dense(d) => d.dtype.to_f32(d.data, r * d.cols, out),
+            MatRef::Quant(q) => {
+                let row_bytes = q.cols * q.bits as usize / 8;
+                isa.unpack(q.bits, &q.packed[r * row_bytes..(r + 1) * row_bytes], out);
+                let gpr = q.cols / q.group;
+                for (g, chunk) in out.chunks_mut(q.group).enumerate() {
+                    let s = q.scale_type.get(q.scales, r * gpr + g);
+                    let b = q.scale_type.get(q.biases, r * gpr + g);
+                    for v in chunk {
+                        *v = s * *v + b;
+                    }
+                }
+            }
+        }
+    }
+
+    /// `y[t] = W · x[t]` for `n` tokens: `x` is `[n, cols]`, `y` is `[n, rows]`, both row-major.
+    pub fn matmul(&self, isa: Isa, x: &[f32], n: usize, y: &mut [f32]) {
+        let (rows, cols) = (self.rows(), self.cols());
+        assert_eq!(x.len(), n * cols, "matmul input shape");
+        assert_eq!(y.len(), n * rows, "matmul output shape");
+        if n == 0 || rows == 0 {
+            return;
+        }
+        // Per-token group sums of x, for the bias term.
+        let group = match self {
+            MatRef::Quant(q) => q.group,
+            MatRef::Dense(_) => cols,
+        };
+        let xsum: Vec<f32> = x.chunks(group).map(|c| c.iter().sum()).collect();
+        // Results are produced row-major by weight row ([rows, n]) so that threads write disjoint chunks.
+        let mut yt = if n == 1 {
+            Vec::new()
+        } else {
+            vec![0f32; rows * n]
+        };
+        let out: &mut [f32] = if n == 1 { y } else { &mut yt };
+        let rows_per_task = (PAR_MIN_ELEMS / cols.max(1))
+            .clamp(1, rows.div_ceil(4 * rayon::current_num_threads()).max(1));
+        let run = |(task, chunk): (usize, &mut [f32])| {
+            let mut codes = vec![0f32; cols];
+            let first = task * rows_per_task;
+            for (i, out_row) in chunk.chunks_mut(n).enumerate() {
+                self.row_dot(isa, first + i, x, &xsum, n, &mut codes, out_row);
+            }
+        };
+        if rows * cols < PAR_MIN_ELEMS {
+            out.chunks_mut(rows_per_task * n).enumerate().for_each(run);
+        } else {
+            out.par_chunks_mut(rows_per_task * n)
+                .enumerate()
+                .for_each(run);
+        }
+        if n > 1 {
+            for r in 0..rows {
+                for t in 0..n {
+                    y[t * rows + r] = yt[r * n + t];
+                }
+            }
+        }
+    }
+
+    /// One weight row against `n` tokens: `out[t] = W[r] · x[t]`.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    fn row_dot(
+        &self,
+        isa: Isa,
+        r: usize,
+        x: &[f32],
+        xsum: &[f32],
+        n: usize,
+        codes: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let cols = self.cols();
+        match self {
+            MatRef::Dense(d) => {
+                d.dtype.to_f32(d.data, r * cols, codes);
+                for t in 0..n {
+                    out[t] = isa.dot(codes, &x[t * cols..(t + 1) * cols]);
+                }
+            }
+            MatRef::Quant(q) => {
+                let row_bytes = cols * q.bits as usize / 8;
+                isa.unpack(q.bits, &q.packed[r * row_bytes..(r + 1) * row_bytes], codes);
+                let gpr = cols / q.group;
+                for t in 0..n {
+                    let xt = &x[t * cols..(t + 1) * cols];
+                    let mut acc = 0f32;
+                    for g in 0..gpr {
+                        let s = q.scale_type.get(q.scales, r * gpr + g);
+                        let b = q.scale_type.get(q.biases, r * gpr + g);
+                        let span = g * q.group..(g + 1) * q.group;
+                        acc += s * isa.dot(&codes[span.clone()], &xt[span]) + b * xsum[t * gpr + g];
+                    }
+                    out[t] = acc;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

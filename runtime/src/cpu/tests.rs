@@ -1,0 +1,237 @@
+use proptest::prelude::*;
+
+use super::*;
+
+fn pack(bits: u32, codes: &[u32]) -> Vec<u8> {
+    let mut out = vec![0u8; codes.len() * bits as usize / 8];
+    for (k, &c) in codes.iter().enumerate() {
+        for j in 0..bits as usize {
+            let pos = k * bits as usize + j;
+            out[pos / 8] |= (((c >> j) & 1) as u8) << (pos % 8);
+        }
+    }
+    out
+}
+
+fn encode(t: FloatType, v: &[f32]) -> Vec<u8> {
+    v.iter()
+        .flat_map(|&x| match t {
+            FloatType::F32 => x.to_le_bytes().to_vec(),
+            FloatType::F16 => half::f16::from_f32(x).to_le_bytes().to_vec(),
+            FloatType::BF16 => half::bf16::from_f32(x).to_le_bytes().to_vec(),
+        })
+        .collect()
+}
+
+#[derive(Debug)]
+struct Case {
+    packed: Vec<u8>,
+    scales: Vec<u8>,
+    biases: Vec<u8>,
+    st: FloatType,
+    bits: u32,
+    group: usize,
+    rows: usize,
+    cols: usize,
+}
+
+impl Case {
+    fn mat(&self) -> MatRef<'_> {
+        MatRef::Quant(QuantMatrix {
+            packed: &self.packed,
+            scales: &self.scales,
+            biases: &self.biases,
+            scale_type: self.st,
+            bits: self.bits,
+            group: self.group,
+            rows: self.rows,
+            cols: self.cols,
+        })
+    }
+}
+
+fn case_strategy() -> impl Strategy<Value = (Case, Vec<f32>, usize)> {
+    (
+        prop::sample::select(vec![2u32, 3, 4, 5, 6, 8]),
+        prop::sample::select(vec![32usize, 64, 128]),
+        1usize..24,
+        1usize..4,
+        1usize..4,
+        prop::sample::select(vec![FloatType::F32, FloatType::F16, FloatType::BF16]),
+        any::<u64>(),
+    )
+        .prop_map(|(bits, group, rows, ngroups, n, st, seed)| {
+            use rand::{Rng, SeedableRng};
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let cols = group * ngroups;
+            let codes: Vec<u32> = (0..rows * cols)
+                .map(|_| rng.gen_range(0..(1u32 << bits)))
+                .collect();
+            // Negative scales are legal (the quantizer flips them when |min| ≤ |max|).
+            let s: Vec<f32> = (0..rows * ngroups)
+                .map(|_| rng.gen_range(-0.1f32..0.1))
+                .collect();
+            let b: Vec<f32> = (0..rows * ngroups)
+                .map(|_| rng.gen_range(-1f32..1.0))
+                .collect();
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-2f32..2.0)).collect();
+            let case = Case {
+                packed: pack(bits, &codes),
+                scales: encode(st, &s),
+                biases: encode(st, &b),
+                st,
+                bits,
+                group,
+                rows,
+                cols,
+            };
+            (case, x, n)
+        })
+}
+
+/// Tolerance for one output: float reassociation error is bounded by a few ulps of Σ|w·x|.
+fn tolerance(w: &MatRef<'_>, x: &[f32], n: usize) -> Vec<f32> {
+    let (rows, cols) = (w.rows(), w.cols());
+    let mut row = vec![0f32; cols];
+    let mut tol = vec![0f32; n * rows];
+    for r in 0..rows {
+        w.row(Isa::Scalar, r, &mut row);
+        for t in 0..n {
+            let mag: f32 = row
+                .iter()
+                .zip(&x[t * cols..(t + 1) * cols])
+                .map(|(a, b)| (a * b).abs())
+                .sum();
+            tol[t * rows + r] = 1e-5 * mag + 1e-6;
+        }
+    }
+    tol
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    #[test]
+    fn every_isa_matches_the_scalar_reference((case, x, n) in case_strategy()) {
+        let w = case.mat();
+        let mut want = vec![0f32; n * case.rows];
+        reference_matmul(&w, &x, n, &mut want);
+        let tol = tolerance(&w, &x, n);
+        for isa in Isa::available() {
+            let mut got = vec![0f32; n * case.rows];
+            w.matmul(isa, &x, n, &mut got);
+            for i in 0..got.len() {
+                prop_assert!((got[i] - want[i]).abs() <= tol[i], "{isa:?} bits {} group {} [{i}]: {} vs {}",
+                    case.bits, case.group, got[i], want[i]);
+            }
+        }
+    }
+
+    #[test]
+    fn simd_unpack_is_exact((case, _x, _n) in case_strategy()) {
+        let mut want = vec![0f32; case.cols];
+        scalar::unpack(case.bits, &case.packed, &mut want);
+        for isa in Isa::available() {
+            let mut got = vec![0f32; case.cols];
+            isa.unpack(case.bits, &case.packed, &mut got);
+            prop_assert_eq!(&got, &want);
+        }
+    }
+
+    #[test]
+    fn simd_dot_matches_scalar(v in prop::collection::vec(-4f32..4.0, 0..300)) {
+        let (a, b) = v.split_at(v.len() / 2);
+        let b = &b[..a.len()];
+        let want = scalar::dot(a, b);
+        let mag: f32 = a.iter().zip(b).map(|(x, y)| (x * y).abs()).sum();
+        for isa in Isa::available() {
+            prop_assert!((isa.dot(a, b) - want).abs() <= 1e-5 * mag + 1e-6);
+        }
+    }
+
+    #[test]
+    fn batched_rows_equal_single_token_calls_bit_for_bit((case, x, n) in case_strategy()) {
+        let w = case.mat();
+        let isa = Isa::detect();
+        let mut batched = vec![0f32; n * case.rows];
+        w.matmul(isa, &x, n, &mut batched);
+        for t in 0..n {
+            let mut one = vec![0f32; case.rows];
+            w.matmul(isa, &x[t * case.cols..(t + 1) * case.cols], 1, &mut one);
+            prop_assert_eq!(&one[..], &batched[t * case.rows..(t + 1) * case.rows]);
+        }
+    }
+}
+
+#[test]
+fn bit_stream_layout_matches_mlx_for_3_and_6_bits() {
+    // §2.3: 3-bit e0=b0&7, e1=(b0>>3)&7, e2=(b0>>6)|((b1&1)<<2); 6-bit e0=b0&63, e1=(b0>>6)|((b1&15)<<2).
+    let bytes = [0b1011_0101u8, 0b0110_1101, 0b1100_0011];
+    let mut c3 = [0f32; 8];
+    scalar::unpack(3, &bytes, &mut c3);
+    assert_eq!(c3[0] as u8, bytes[0] & 7);
+    assert_eq!(c3[1] as u8, (bytes[0] >> 3) & 7);
+    assert_eq!(c3[2] as u8, (bytes[0] >> 6) | ((bytes[1] & 1) << 2));
+    let mut c6 = [0f32; 4];
+    scalar::unpack(6, &bytes, &mut c6);
+    assert_eq!(c6[0] as u8, bytes[0] & 63);
+    assert_eq!(c6[1] as u8, (bytes[0] >> 6) | ((bytes[1] & 15) << 2));
+    assert_eq!(c6[2] as u8, (bytes[1] >> 4) | ((bytes[2] & 3) << 4));
+    assert_eq!(c6[3] as u8, bytes[2] >> 2);
+}
+
+#[test]
+fn negative_scale_row_dequantizes_like_mlx() {
+    // MLX quantizes 0..15 at 4 bits as scale -1, bias 15, codes 15..0.
+    let codes: Vec<u32> = (0..32).map(|k| 15 - (k % 16)).collect();
+    let packed = pack(4, &codes);
+    let scales = encode(FloatType::BF16, &[-1.0]);
+    let biases = encode(FloatType::BF16, &[15.0]);
+    let w = MatRef::Quant(QuantMatrix {
+        packed: &packed,
+        scales: &scales,
+        biases: &biases,
+        scale_type: FloatType::BF16,
+        bits: 4,
+        group: 32,
+        rows: 1,
+        cols: 32,
+    });
+    let mut row = vec![0f32; 32];
+    w.row(Isa::detect(), 0, &mut row);
+    let want: Vec<f32> = (0..32).map(|k| (k % 16) as f32).collect();
+    assert_eq!(row, want);
+}
+
+#[test]
+fn large_matmul_is_identical_across_thread_counts() {
+    let rows = 300;
+    let cols = 256;
+    let codes: Vec<u32> = (0..rows * cols).map(|i| (i * 7 % 16) as u32).collect();
+    let packed = pack(4, &codes);
+    let s: Vec<f32> = (0..rows * 4)
+        .map(|i| (i as f32 * 0.37).sin() * 0.05)
+        .collect();
+    let b: Vec<f32> = (0..rows * 4).map(|i| (i as f32 * 0.11).cos()).collect();
+    let (scales, biases) = (encode(FloatType::F32, &s), encode(FloatType::F32, &b));
+    let w = MatRef::Quant(QuantMatrix {
+        packed: &packed,
+        scales: &scales,
+        biases: &biases,
+        scale_type: FloatType::F32,
+        bits: 4,
+        group: 64,
+        rows,
+        cols,
+    });
+    let x: Vec<f32> = (0..3 * cols).map(|i| (i as f32 * 0.01).sin()).collect();
+    let mut a = vec![0f32; 3 * rows];
+    w.matmul(Isa::detect(), &x, 3, &mut a);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    let mut b1 = vec![0f32; 3 * rows];
+    pool.install(|| w.matmul(Isa::detect(), &x, 3, &mut b1));
+    assert_eq!(a, b1);
+}

@@ -1,0 +1,374 @@
+//! Building blocks shared by the decoder-only MoE architectures: attention, dense and sparse SwiGLU
+//! FFNs, the decoder layer and the embedding → layers → head stack.
+
+use std::sync::Arc;
+
+use expert_store::ExpertSource;
+
+use crate::cpu::Isa;
+use crate::error::{ModelError, Result};
+use crate::linear::{Linear, WeightFormat};
+use crate::ops::{self, AttnShape, KvCache, LayerKv, Rope};
+use crate::weights::Weights;
+
+/// Grouped-query self-attention with optional per-head q/k RMSNorm (before RoPE).
+pub struct Attention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    qk_norm: Option<(Vec<f32>, Vec<f32>)>,
+    shape: AttnShape,
+    rope: Rope,
+    eps: f32,
+}
+
+impl Attention {
+    /// Loads `{prefix}.{q,k,v,o}_proj` (and `{q,k}_norm` when `qk_norm`).
+    pub fn load(
+        w: &Weights,
+        prefix: &str,
+        hidden: usize,
+        shape: AttnShape,
+        rope: Rope,
+        eps: f32,
+        qk_norm: bool,
+    ) -> Result<Self> {
+        let (h, kv, d) = (shape.heads, shape.kv_heads, shape.head_dim);
+        let qk_norm = if qk_norm {
+            Some((
+                w.vector(&format!("{prefix}.q_norm.weight"), d)?,
+                w.vector(&format!("{prefix}.k_norm.weight"), d)?,
+            ))
+        } else {
+            None
+        };
+        Ok(Self {
+            q: w.linear(&format!("{prefix}.q_proj"), h * d, hidden)?,
+            k: w.linear(&format!("{prefix}.k_proj"), kv * d, hidden)?,
+            v: w.linear(&format!("{prefix}.v_proj"), kv * d, hidden)?,
+            o: w.linear(&format!("{prefix}.o_proj"), hidden, h * d)?,
+            qk_norm,
+            shape,
+            rope,
+            eps,
+        })
+    }
+
+    fn forward(&self, isa: Isa, x: &[f32], n: usize, cache: &mut LayerKv) -> Vec<f32> {
+        let mut q = self.q.forward(isa, x, n);
+        let mut k = self.k.forward(isa, x, n);
+        let v = self.v.forward(isa, x, n);
+        if let Some((qn, kn)) = &self.qk_norm {
+            ops::rms_norm(&mut q, qn, self.eps);
+            ops::rms_norm(&mut k, kn, self.eps);
+        }
+        let (hd, pos0) = (self.shape.head_dim, cache_len(cache, &self.shape));
+        for t in 0..n {
+            let qw = self.shape.heads * hd;
+            let kw = self.shape.kv_heads * hd;
+            self.rope.apply(&mut q[t * qw..(t + 1) * qw], hd, pos0 + t);
+            self.rope.apply(&mut k[t * kw..(t + 1) * kw], hd, pos0 + t);
+        }
+        let a = ops::attention(isa, self.shape, &q, &k, &v, n, cache);
+        self.o.forward(isa, &a, n)
+    }
+}
+
+fn cache_len(cache: &LayerKv, s: &AttnShape) -> usize {
+    cache.positions(s.kv_heads * s.head_dim)
+}
+
+/// A dense SwiGLU MLP: `down(silu(gate x) ⊙ up x)`.
+pub struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+impl Mlp {
+    /// Loads `{prefix}.{gate,up,down}_proj`.
+    pub fn load(w: &Weights, prefix: &str, hidden: usize, inter: usize) -> Result<Self> {
+        Ok(Self {
+            gate: w.linear(&format!("{prefix}.gate_proj"), inter, hidden)?,
+            up: w.linear(&format!("{prefix}.up_proj"), inter, hidden)?,
+            down: w.linear(&format!("{prefix}.down_proj"), hidden, inter)?,
+        })
+    }
+
+    fn forward(&self, isa: Isa, x: &[f32], n: usize) -> Vec<f32> {
+        let mut g = self.gate.forward(isa, x, n);
+        ops::swiglu(&mut g, &self.up.forward(isa, x, n));
+        self.down.forward(isa, &g, n)
+    }
+}
+
+/// How router logits become expert weights; decides what happens when `--top-k` lowers k.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouterKind {
+    /// Softmax over all experts, then the top k (Qwen3-MoE). With `renormalize` (`norm_topk_prob`) the k
+    /// weights are divided by their sum, so they always sum to 1; without it they keep their share of the
+    /// full softmax, and a smaller k drops mass.
+    SoftmaxTopK {
+        /// Divide the chosen weights by their sum.
+        renormalize: bool,
+    },
+    /// Top k of the raw logits, then a softmax over those k (Mixtral): the weights always sum to 1.
+    TopKSoftmax,
+}
+
+impl RouterKind {
+    /// The chosen experts (best first) and their weights for one token's router logits.
+    pub fn route(self, logits: &[f32], k: usize) -> (Vec<usize>, Vec<f32>) {
+        match self {
+            RouterKind::SoftmaxTopK { renormalize } => {
+                let mut p = logits.to_vec();
+                ops::softmax(&mut p);
+                let idx = ops::top_k(&p, k);
+                let mut w: Vec<f32> = idx.iter().map(|&i| p[i]).collect();
+                if renormalize {
+                    let s: f32 = w.iter().sum();
+                    w.iter_mut().for_each(|v| *v /= s);
+                }
+                (idx, w)
+            }
+            RouterKind::TopKSoftmax => {
+                let idx = ops::top_k(logits, k);
+                let mut w: Vec<f32> = idx.iter().map(|&i| logits[i]).collect();
+                ops::softmax(&mut w);
+                (idx, w)
+            }
+        }
+    }
+}
+
+/// A routed-experts SwiGLU block whose expert weights come from an [`ExpertSource`].
+pub struct SparseMoe {
+    router: Linear,
+    kind: RouterKind,
+    layer: usize,
+    num_experts: usize,
+    hidden: usize,
+    inter: usize,
+    formats: [WeightFormat; 3],
+    experts: Arc<dyn ExpertSource>,
+}
+
+impl SparseMoe {
+    /// A block for `layer` with router `router` and expert projections stored in `formats`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        router: Linear,
+        kind: RouterKind,
+        layer: usize,
+        num_experts: usize,
+        hidden: usize,
+        inter: usize,
+        formats: [WeightFormat; 3],
+        experts: Arc<dyn ExpertSource>,
+    ) -> Self {
+        Self {
+            router,
+            kind,
+            layer,
+            num_experts,
+            hidden,
+            inter,
+            formats,
+            experts,
+        }
+    }
+
+    /// Routes each of the `n` tokens of `x` to `k` experts and sums their weighted outputs.
+    ///
+    /// Experts are visited in id order, each over all tokens routed to it; each token's outputs are then
+    /// combined in its own routing order, so the result is the same bit for bit whatever the batch.
+    fn forward(&self, isa: Isa, x: &[f32], n: usize, k: usize) -> Result<Vec<f32>> {
+        let (h, k) = (self.hidden, k.min(self.num_experts));
+        let logits = self.router.forward(isa, x, n);
+        let routes: Vec<(Vec<usize>, Vec<f32>)> = logits
+            .chunks(self.num_experts)
+            .map(|l| self.kind.route(l, k))
+            .collect();
+        let mut per_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); self.num_experts];
+        for (t, (ids, _)) in routes.iter().enumerate() {
+            for (slot, &e) in ids.iter().enumerate() {
+                per_expert[e].push((t, slot));
+            }
+        }
+        let mut slots = vec![0f32; n * k * h];
+        for (e, users) in per_expert.iter().enumerate().filter(|(_, u)| !u.is_empty()) {
+            let rec = self.experts.read_expert(self.layer, e)?;
+            let parts: Vec<&[u8]> = rec.parts.iter().map(|p| p.as_slice()).collect();
+            let (pg, pu) = (self.formats[0].parts(), self.formats[1].parts());
+            let gate = self.formats[0].view(self.inter, h, &parts[..pg]);
+            let up = self.formats[1].view(self.inter, h, &parts[pg..pg + pu]);
+            let down = self.formats[2].view(h, self.inter, &parts[pg + pu..]);
+            let m = users.len();
+            let xs: Vec<f32> = users
+                .iter()
+                .flat_map(|&(t, _)| x[t * h..(t + 1) * h].iter().copied())
+                .collect();
+            let mut g = vec![0f32; m * self.inter];
+            let mut u = vec![0f32; m * self.inter];
+            gate.matmul(isa, &xs, m, &mut g);
+            up.matmul(isa, &xs, m, &mut u);
+            ops::swiglu(&mut g, &u);
+            let mut y = vec![0f32; m * h];
+            down.matmul(isa, &g, m, &mut y);
+            for (i, &(t, slot)) in users.iter().enumerate() {
+                slots[(t * k + slot) * h..(t * k + slot + 1) * h]
+                    .copy_from_slice(&y[i * h..(i + 1) * h]);
+            }
+        }
+        let mut out = vec![0f32; n * h];
+        for (t, (_, w)) in routes.iter().enumerate() {
+            let o = &mut out[t * h..(t + 1) * h];
+            for (slot, wt) in w.iter().enumerate() {
+                for (acc, v) in o
+                    .iter_mut()
+                    .zip(&slots[(t * k + slot) * h..(t * k + slot + 1) * h])
+                {
+                    *acc += wt * v;
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The feed-forward half of a decoder layer.
+pub enum Ffn {
+    /// Dense SwiGLU.
+    Dense(Mlp),
+    /// Routed experts.
+    Moe(SparseMoe),
+}
+
+/// Pre-norm decoder layer: `h = x + attn(norm(x)); out = h + ffn(norm(h))`.
+pub struct DecoderLayer {
+    /// RMSNorm before attention.
+    pub input_norm: Vec<f32>,
+    /// Self-attention.
+    pub attn: Attention,
+    /// RMSNorm before the FFN.
+    pub post_norm: Vec<f32>,
+    /// Dense or MoE FFN.
+    pub ffn: Ffn,
+}
+
+/// What a forward pass should produce.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ForwardOptions {
+    /// Experts per token (`None`: the model's own).
+    pub top_k: Option<usize>,
+    /// Logits for every input position instead of only the last.
+    pub all_logits: bool,
+}
+
+/// Static facts about a loaded model.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    /// `model_type` from config.json.
+    pub model_type: String,
+    /// Vocabulary size (rows of the output head).
+    pub vocab_size: usize,
+    /// Context limit (`max_position_embeddings`).
+    pub context_length: usize,
+    /// Experts per MoE layer.
+    pub num_experts: usize,
+    /// The model's own experts per token.
+    pub default_top_k: usize,
+    /// How routing weights are formed.
+    pub router: RouterKind,
+    /// Decoder layers.
+    pub num_layers: usize,
+}
+
+/// Embedding → decoder layers → final norm → output head.
+pub struct DecoderModel {
+    /// Model facts.
+    pub info: ModelInfo,
+    /// Token embedding `[vocab, hidden]`.
+    pub embed: Linear,
+    /// Decoder layers.
+    pub layers: Vec<DecoderLayer>,
+    /// Final RMSNorm.
+    pub norm: Vec<f32>,
+    /// Output head `[vocab, hidden]` (the embedding itself when tied).
+    pub lm_head: Linear,
+    /// RMSNorm epsilon.
+    pub eps: f32,
+    /// Hidden size.
+    pub hidden: usize,
+}
+
+impl DecoderModel {
+    /// A fresh KV cache.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(self.layers.len())
+    }
+
+    /// Runs `tokens` after the cached positions; returns logits `[m, vocab]`, m = tokens or 1.
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        opts: &ForwardOptions,
+    ) -> Result<Vec<f32>> {
+        let (n, h, isa) = (tokens.len(), self.hidden, Isa::detect());
+        if n == 0 {
+            return Err(ModelError::InvalidArgument(
+                "forward called with no tokens".into(),
+            ));
+        }
+        if cache.len + n > self.info.context_length {
+            return Err(ModelError::Limit(format!(
+                "{} tokens exceed the context limit of {} (max_position_embeddings)",
+                cache.len + n,
+                self.info.context_length
+            )));
+        }
+        let k = opts.top_k.unwrap_or(self.info.default_top_k);
+        if k == 0 || k > self.info.num_experts.max(1) {
+            return Err(ModelError::InvalidArgument(format!(
+                "top-k {k} must be between 1 and the model's {} experts",
+                self.info.num_experts
+            )));
+        }
+        let mut x = vec![0f32; n * h];
+        for (t, &id) in tokens.iter().enumerate() {
+            if id as usize >= self.info.vocab_size {
+                return Err(ModelError::Limit(format!(
+                    "token id {id} is outside the vocabulary of {}",
+                    self.info.vocab_size
+                )));
+            }
+            self.embed
+                .mat()
+                .row(isa, id as usize, &mut x[t * h..(t + 1) * h]);
+        }
+        for (layer, kv) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            let mut a = x.clone();
+            ops::rms_norm(&mut a, &layer.input_norm, self.eps);
+            let a = layer.attn.forward(isa, &a, n, kv);
+            x.iter_mut().zip(&a).for_each(|(x, a)| *x += a);
+            let mut b = x.clone();
+            ops::rms_norm(&mut b, &layer.post_norm, self.eps);
+            let f = match &layer.ffn {
+                Ffn::Dense(mlp) => mlp.forward(isa, &b, n),
+                Ffn::Moe(moe) => moe.forward(isa, &b, n, k)?,
+            };
+            x.iter_mut().zip(&f).for_each(|(x, f)| *x += f);
+        }
+        cache.len += n;
+        let rows = if opts.all_logits {
+            &mut x[..]
+        } else {
+            &mut x[(n - 1) * h..]
+        };
+        ops::rms_norm(rows, &self.norm, self.eps);
+        let m = rows.len() / h;
+        Ok(self.lm_head.forward(isa, rows, m))
+    }
+}

@@ -1,0 +1,15 @@
+//! Model math for sluice: the `cpu` backend, MoE architectures, sampling and the decode loop. No HTTP.
+
+pub mod config;
+pub mod cpu;
+pub mod error;
+pub mod layers;
+pub mod linear;
+pub mod models;
+pub mod ops;
+pub mod quant;
+pub mod weights;
+
+pub use error::{ModelError, Result};
+pub use layers::{DecoderModel, ForwardOptions, ModelInfo, RouterKind};
+pub use models::{load_model, supported_model_types};

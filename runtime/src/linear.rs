@@ -1,0 +1,100 @@
+//! Weight matrices as the model sees them: a storage format plus zero-copy byte handles.
+
+use expert_store::OwnedBytes;
+
+use crate::cpu::{DenseMatrix, FloatType, Isa, MatRef, QuantMatrix};
+
+/// How a weight matrix is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightFormat {
+    /// Unquantized floats.
+    Dense(FloatType),
+    /// MLX affine quantization.
+    Affine {
+        /// Bits per code.
+        bits: u32,
+        /// Columns per group.
+        group: usize,
+        /// Element type of scales and biases.
+        scale_type: FloatType,
+    },
+}
+
+impl WeightFormat {
+    /// Number of tensors that make up one matrix (weight [+ scales + biases]).
+    pub fn parts(self) -> usize {
+        match self {
+            WeightFormat::Dense(_) => 1,
+            WeightFormat::Affine { .. } => 3,
+        }
+    }
+
+    /// Views `parts` (as counted by [`Self::parts`]) as a `[rows, cols]` matrix.
+    pub fn view<'a>(self, rows: usize, cols: usize, parts: &[&'a [u8]]) -> MatRef<'a> {
+        match self {
+            WeightFormat::Dense(dtype) => MatRef::Dense(DenseMatrix {
+                data: parts[0],
+                dtype,
+                rows,
+                cols,
+            }),
+            WeightFormat::Affine {
+                bits,
+                group,
+                scale_type,
+            } => MatRef::Quant(QuantMatrix {
+                packed: parts[0],
+                scales: parts[1],
+                biases: parts[2],
+                scale_type,
+                bits,
+                group,
+                rows,
+                cols,
+            }),
+        }
+    }
+
+    /// Bytes one `[rows, cols]` matrix occupies in each part, in part order.
+    pub fn part_bytes(self, rows: usize, cols: usize) -> Vec<usize> {
+        match self {
+            WeightFormat::Dense(t) => vec![rows * cols * t.size()],
+            WeightFormat::Affine {
+                bits,
+                group,
+                scale_type,
+            } => {
+                let sb = rows * (cols / group) * scale_type.size();
+                vec![rows * cols * bits as usize / 8, sb, sb]
+            }
+        }
+    }
+}
+
+/// A resident weight matrix `[rows, cols]` (output features × input features).
+#[derive(Debug, Clone)]
+pub struct Linear {
+    /// Storage format.
+    pub format: WeightFormat,
+    /// Output features.
+    pub rows: usize,
+    /// Input features.
+    pub cols: usize,
+    /// Weight [, scales, biases] bytes.
+    pub parts: Vec<OwnedBytes>,
+}
+
+impl Linear {
+    /// A kernel view of the matrix.
+    pub fn mat(&self) -> MatRef<'_> {
+        let parts: Vec<&[u8]> = self.parts.iter().map(|p| p.as_slice()).collect();
+        self.format.view(self.rows, self.cols, &parts)
+    }
+
+    /// `x` is `[n, cols]`; returns `[n, rows]`.
+    pub fn forward(&self, isa: Isa, x: &[f32], n: usize) -> Vec<f32> {
+        let mut y = vec![0f32; n * self.rows];
+        self.mat().matmul(isa, x, n, &mut y);
+        y
+    }
+}

@@ -1,0 +1,217 @@
+//! Architectures, one file each, and the `model_type` registry.
+
+mod mixtral;
+mod qwen3_moe;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use expert_store::{ExpertSource, MmapExpertSource};
+
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::layers::{
+    Attention, DecoderLayer, DecoderModel, Ffn, Mlp, ModelInfo, RouterKind, SparseMoe,
+};
+use crate::ops::{AttnShape, Rope};
+use crate::weights::Weights;
+
+type Loader = fn(&Weights) -> Result<DecoderModel>;
+
+/// `model_type` → loader.
+const REGISTRY: &[(&str, Loader)] = &[("qwen3_moe", qwen3_moe::load), ("mixtral", mixtral::load)];
+
+/// The `model_type`s this build can load.
+pub fn supported_model_types() -> Vec<&'static str> {
+    REGISTRY.iter().map(|(n, _)| *n).collect()
+}
+
+/// Loads the model in `dir` (MLX safetensors layout) with its experts viewed in place.
+pub fn load_model(dir: &Path) -> Result<DecoderModel> {
+    let config = ModelConfig::load(dir)?;
+    let loader = REGISTRY
+        .iter()
+        .find(|(n, _)| *n == config.model_type)
+        .map(|(_, l)| *l)
+        .ok_or_else(|| {
+            ModelError::UnknownModelType(
+                config.model_type.clone(),
+                supported_model_types().join(", "),
+            )
+        })?;
+    let weights = Weights::open(dir, config)?;
+    if weights
+        .checkpoint()
+        .names()
+        .any(|n| n.contains(".experts.0."))
+    {
+        return Err(ModelError::BadTensor {
+            name: "*.experts.0.*".into(),
+            message: "per-expert (Hugging Face) layout is not supported yet; convert with `mlx_lm.convert`".into(),
+        });
+    }
+    loader(&weights)
+}
+
+/// What sits in a layer's FFN slot.
+pub(crate) enum FfnPlan {
+    /// Dense SwiGLU at `prefix` with this intermediate size.
+    Dense { prefix: String, inter: usize },
+    /// Routed experts: router at `{prefix}.gate`, stacked experts at `{prefix}.switch_mlp`.
+    Moe {
+        prefix: String,
+        num_experts: usize,
+        inter: usize,
+    },
+}
+
+/// The shape facts every decoder-only MoE here shares.
+pub(crate) struct DecoderDims {
+    pub hidden: usize,
+    pub layers: usize,
+    pub attn: AttnShape,
+    pub vocab: usize,
+    pub context_length: usize,
+    pub eps: f32,
+    pub tie_embeddings: bool,
+    pub qk_norm: bool,
+    pub rope: Rope,
+    pub router: RouterKind,
+    pub top_k: usize,
+}
+
+impl DecoderDims {
+    /// Rejects shapes the math cannot run, naming config.json.
+    pub fn validate(&self, c: &ModelConfig, num_experts: usize) -> Result<()> {
+        let a = &self.attn;
+        let zero = [
+            self.hidden,
+            self.layers,
+            a.heads,
+            a.kv_heads,
+            a.head_dim,
+            self.vocab,
+        ]
+        .contains(&0);
+        if zero {
+            return Err(c.error(
+                "hidden size, layers, heads, head_dim and vocab_size must all be non-zero",
+            ));
+        }
+        if a.heads % a.kv_heads != 0 {
+            return Err(c.error(format!(
+                "num_attention_heads {} is not a multiple of num_key_value_heads {}",
+                a.heads, a.kv_heads
+            )));
+        }
+        if a.head_dim % 2 != 0 {
+            return Err(c.error(format!("head_dim {} must be even for RoPE", a.head_dim)));
+        }
+        if num_experts > 0 && (self.top_k == 0 || self.top_k > num_experts) {
+            return Err(c.error(format!(
+                "num_experts_per_tok {} must be in 1..={num_experts}",
+                self.top_k
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Assembles embedding, layers (attention at `model.layers.N.self_attn`, FFN per `plan`), norm and head.
+pub(crate) fn build_decoder(
+    w: &Weights,
+    d: DecoderDims,
+    plan: impl Fn(usize) -> FfnPlan,
+) -> Result<DecoderModel> {
+    let plans: Vec<FfnPlan> = (0..d.layers).map(plan).collect();
+    let num_experts = plans.iter().find_map(|p| {
+        if let FfnPlan::Moe { num_experts, .. } = p {
+            Some(*num_experts)
+        } else {
+            None
+        }
+    });
+    d.validate(w.config(), num_experts.unwrap_or(0))?;
+    // Expert layouts of every MoE layer first: one expert source serves them all.
+    let mut stacks = Vec::new();
+    let mut formats = Vec::new();
+    for (i, p) in plans.iter().enumerate() {
+        if let FfnPlan::Moe {
+            prefix,
+            num_experts,
+            inter,
+        } = p
+        {
+            let (f, s) = w.stacked_experts(
+                &format!("{prefix}.switch_mlp"),
+                i,
+                *num_experts,
+                d.hidden,
+                *inter,
+            )?;
+            formats.push(f);
+            stacks.push(s);
+        }
+    }
+    let source: Arc<dyn ExpertSource> = Arc::new(MmapExpertSource::new(w.checkpoint(), &stacks)?);
+    let mut formats = formats.into_iter();
+    let mut layers = Vec::with_capacity(d.layers);
+    for (i, p) in plans.iter().enumerate() {
+        let base = format!("model.layers.{i}");
+        let ffn = match p {
+            FfnPlan::Dense { prefix, inter } => Ffn::Dense(Mlp::load(w, prefix, d.hidden, *inter)?),
+            FfnPlan::Moe {
+                prefix,
+                num_experts,
+                inter,
+            } => Ffn::Moe(SparseMoe::new(
+                w.linear(&format!("{prefix}.gate"), *num_experts, d.hidden)?,
+                d.router,
+                i,
+                *num_experts,
+                d.hidden,
+                *inter,
+                formats.next().expect("one format per MoE layer"),
+                Arc::clone(&source),
+            )),
+        };
+        layers.push(DecoderLayer {
+            input_norm: w.vector(&format!("{base}.input_layernorm.weight"), d.hidden)?,
+            attn: Attention::load(
+                w,
+                &format!("{base}.self_attn"),
+                d.hidden,
+                d.attn,
+                d.rope.clone(),
+                d.eps,
+                d.qk_norm,
+            )?,
+            post_norm: w.vector(&format!("{base}.post_attention_layernorm.weight"), d.hidden)?,
+            ffn,
+        });
+    }
+    let embed = w.linear("model.embed_tokens", d.vocab, d.hidden)?;
+    let lm_head = if d.tie_embeddings {
+        embed.clone()
+    } else {
+        w.linear("lm_head", d.vocab, d.hidden)?
+    };
+    let c = w.config();
+    Ok(DecoderModel {
+        info: ModelInfo {
+            model_type: c.model_type.clone(),
+            vocab_size: d.vocab,
+            context_length: d.context_length,
+            num_experts: num_experts.unwrap_or(0),
+            default_top_k: d.top_k,
+            router: d.router,
+            num_layers: d.layers,
+        },
+        embed,
+        layers,
+        norm: w.vector("model.norm.weight", d.hidden)?,
+        lm_head,
+        eps: d.eps,
+        hidden: d.hidden,
+    })
+}

@@ -1,0 +1,105 @@
+//! Qwen3-MoE (`qwen3_moe`): Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder-480B.
+//!
+//! Llama-style GQA with per-head q/k RMSNorm before NeoX RoPE; softmax router over all experts, top-k,
+//! optional renormalisation (`norm_topk_prob`); layers in `mlp_only_layers` (or off the
+//! `decoder_sparse_step` grid) use a dense SwiGLU MLP.
+
+use serde::Deserialize;
+
+use super::{build_decoder, DecoderDims, FfnPlan};
+use crate::config::RopeScaling;
+use crate::error::Result;
+use crate::layers::{DecoderModel, RouterKind};
+use crate::ops::{AttnShape, Rope};
+use crate::weights::Weights;
+
+/// `config.json` fields, with Hugging Face names.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Qwen3MoeConfig {
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    #[serde(default)]
+    pub intermediate_size: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: Option<usize>,
+    pub head_dim: Option<usize>,
+    pub num_experts: usize,
+    pub num_experts_per_tok: usize,
+    #[serde(default = "one")]
+    pub decoder_sparse_step: usize,
+    #[serde(default)]
+    pub mlp_only_layers: Vec<usize>,
+    pub moe_intermediate_size: usize,
+    pub rms_norm_eps: f32,
+    pub vocab_size: usize,
+    #[serde(default = "default_theta")]
+    pub rope_theta: f64,
+    pub rope_scaling: Option<RopeScaling>,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(default = "default_ctx")]
+    pub max_position_embeddings: usize,
+    #[serde(default)]
+    pub norm_topk_prob: bool,
+}
+
+fn one() -> usize {
+    1
+}
+fn default_theta() -> f64 {
+    10000.0
+}
+fn default_ctx() -> usize {
+    32768
+}
+
+impl Qwen3MoeConfig {
+    /// Whether layer `i` routes to experts (else it is a dense MLP).
+    pub fn is_moe_layer(&self, i: usize) -> bool {
+        !self.mlp_only_layers.contains(&i)
+            && self.num_experts > 0
+            && (i + 1) % self.decoder_sparse_step.max(1) == 0
+    }
+}
+
+/// Loads a `qwen3_moe` checkpoint.
+pub fn load(w: &Weights) -> Result<DecoderModel> {
+    let c: Qwen3MoeConfig = w.config().typed()?;
+    let head_dim = c
+        .head_dim
+        .unwrap_or(c.hidden_size / c.num_attention_heads.max(1));
+    let dims = DecoderDims {
+        hidden: c.hidden_size,
+        layers: c.num_hidden_layers,
+        attn: AttnShape {
+            heads: c.num_attention_heads,
+            kv_heads: c.num_key_value_heads.unwrap_or(c.num_attention_heads),
+            head_dim,
+        },
+        vocab: c.vocab_size,
+        context_length: c.max_position_embeddings,
+        eps: c.rms_norm_eps,
+        tie_embeddings: c.tie_word_embeddings,
+        qk_norm: true,
+        rope: Rope::new(head_dim, c.rope_theta, false, c.rope_scaling.as_ref())?,
+        router: RouterKind::SoftmaxTopK {
+            renormalize: c.norm_topk_prob,
+        },
+        top_k: c.num_experts_per_tok,
+    };
+    build_decoder(w, dims, |i| {
+        let prefix = format!("model.layers.{i}.mlp");
+        if c.is_moe_layer(i) {
+            FfnPlan::Moe {
+                prefix,
+                num_experts: c.num_experts,
+                inter: c.moe_intermediate_size,
+            }
+        } else {
+            FfnPlan::Dense {
+                prefix,
+                inter: c.intermediate_size,
+            }
+        }
+    })
+}

@@ -1,0 +1,294 @@
+//! Element-wise and attention ops of the `cpu` backend, on row-major f32 activations.
+
+use rayon::prelude::*;
+
+use crate::config::RopeScaling;
+use crate::cpu::Isa;
+use crate::error::{ModelError, Result};
+
+/// RMSNorm of each `w.len()`-wide row of `x`, in place: `x · rsqrt(mean(x²) + eps) · w`.
+pub fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
+    let d = w.len();
+    for row in x.chunks_mut(d) {
+        let ms = row.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        let r = 1.0 / (ms + eps).sqrt();
+        for (v, g) in row.iter_mut().zip(w) {
+            *v = *v * r * g;
+        }
+    }
+}
+
+/// `silu(gate) · up`, written into `gate`.
+pub fn swiglu(gate: &mut [f32], up: &[f32]) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
+
+/// Softmax in place (max-subtracted, f32).
+pub fn softmax(x: &mut [f32]) {
+    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut s = 0.0;
+    for v in x.iter_mut() {
+        *v = (*v - m).exp();
+        s += *v;
+    }
+    for v in x.iter_mut() {
+        *v /= s;
+    }
+}
+
+/// Indices of the `k` largest values, largest first (ties: lower index first).
+pub fn top_k(x: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..x.len()).collect();
+    idx.sort_by(|&a, &b| x[b].total_cmp(&x[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+/// Rotary position embedding over the first `dims` of each head.
+#[derive(Debug, Clone)]
+pub struct Rope {
+    inv_freq: Vec<f64>,
+    /// Rotated dimensions per head.
+    dims: usize,
+    /// Pairs `(2i, 2i+1)` instead of `(i, i + dims/2)`.
+    traditional: bool,
+    /// YaRN magnitude scale applied to the rotated part.
+    mscale: f32,
+}
+
+impl Rope {
+    /// Builds the frequency table for `dims` rotated dims, `theta`, and optional HF-style scaling.
+    pub fn new(
+        dims: usize,
+        theta: f64,
+        traditional: bool,
+        scaling: Option<&RopeScaling>,
+    ) -> Result<Self> {
+        let half = dims / 2;
+        let base: Vec<f64> = (0..half)
+            .map(|i| theta.powf(-2.0 * i as f64 / dims as f64))
+            .collect();
+        let kind = scaling
+            .and_then(|s| s.rope_type.as_deref())
+            .unwrap_or("default");
+        let factor = scaling.and_then(|s| s.factor).unwrap_or(1.0);
+        let (inv_freq, mscale) = match kind {
+            "default" | "mrope" => (base, 1.0),
+            "linear" => (base.iter().map(|f| f / factor).collect(), 1.0),
+            "yarn" => {
+                let s = scaling.expect("kind came from scaling");
+                let orig = s.original_max_position_embeddings.unwrap_or(4096.0);
+                let (bf, bs) = (s.beta_fast.unwrap_or(32.0), s.beta_slow.unwrap_or(1.0));
+                let corr = |beta: f64| {
+                    dims as f64 * (orig / (beta * 2.0 * std::f64::consts::PI)).ln()
+                        / (2.0 * theta.ln())
+                };
+                let (mut low, mut high) = (corr(bf), corr(bs));
+                if s.truncate.unwrap_or(true) {
+                    (low, high) = (low.floor(), high.ceil());
+                }
+                let (low, high) = (low.max(0.0), high.min(dims as f64 - 1.0));
+                let span = if high == low {
+                    high - low + 0.001
+                } else {
+                    high - low
+                };
+                let inv = base
+                    .iter()
+                    .enumerate()
+                    .map(|(i, f)| {
+                        let ramp = ((i as f64 - low) / span).clamp(0.0, 1.0);
+                        (1.0 - ramp) * f + ramp * f / factor
+                    })
+                    .collect();
+                let m = |a: f64| {
+                    if factor <= 1.0 {
+                        1.0
+                    } else {
+                        0.1 * a * factor.ln() + 1.0
+                    }
+                };
+                let ms = m(s.mscale.unwrap_or(1.0)) / m(s.mscale_all_dim.unwrap_or(0.0));
+                (inv, ms as f32)
+            }
+            other => {
+                return Err(ModelError::InvalidArgument(format!(
+                    "rope scaling type `{other}` is not supported"
+                )))
+            }
+        };
+        Ok(Self {
+            inv_freq,
+            dims,
+            traditional,
+            mscale,
+        })
+    }
+
+    /// Rotates each `head_dim`-wide head in `x` (`[heads, head_dim]` for one token) at position `pos`.
+    pub fn apply(&self, x: &mut [f32], head_dim: usize, pos: usize) {
+        let half = self.dims / 2;
+        for head in x.chunks_mut(head_dim) {
+            for (i, f) in self.inv_freq.iter().enumerate() {
+                let (s, c) = (pos as f64 * f).sin_cos();
+                let (s, c) = (s as f32, c as f32);
+                let (a, b) = if self.traditional {
+                    (2 * i, 2 * i + 1)
+                } else {
+                    (i, i + half)
+                };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = (x0 * c - x1 * s) * self.mscale;
+                head[b] = (x0 * s + x1 * c) * self.mscale;
+            }
+        }
+    }
+}
+
+/// One layer's key/value cache: `[positions, kv_heads · head_dim]` each.
+#[derive(Debug, Clone, Default)]
+pub struct LayerKv {
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl LayerKv {
+    /// Cached positions, given the width of one position's keys.
+    pub fn positions(&self, kv_width: usize) -> usize {
+        self.k.len() / kv_width.max(1)
+    }
+}
+
+/// Per-layer KV caches of one sequence.
+#[derive(Debug, Clone, Default)]
+pub struct KvCache {
+    /// One per layer.
+    pub layers: Vec<LayerKv>,
+    /// Positions cached.
+    pub len: usize,
+}
+
+impl KvCache {
+    /// An empty cache for `layers` layers.
+    pub fn new(layers: usize) -> Self {
+        Self {
+            layers: vec![LayerKv::default(); layers],
+            len: 0,
+        }
+    }
+
+    /// Forgets every position from `len` on (rollback).
+    pub fn truncate(&mut self, len: usize, kv_width: usize) {
+        for l in &mut self.layers {
+            l.k.truncate(len * kv_width);
+            l.v.truncate(len * kv_width);
+        }
+        self.len = self.len.min(len);
+    }
+}
+
+/// Shape of a grouped-query attention.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Dims per head.
+    pub head_dim: usize,
+}
+
+/// Causal GQA for `n` new tokens at positions `pos0..pos0+n`: appends `k`, `v` (`[n, kv_heads·head_dim]`)
+/// to the cache and returns `[n, heads·head_dim]`.
+pub fn attention(
+    isa: Isa,
+    s: AttnShape,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    n: usize,
+    cache: &mut LayerKv,
+) -> Vec<f32> {
+    cache.k.extend_from_slice(k);
+    cache.v.extend_from_slice(v);
+    let (hd, kvw) = (s.head_dim, s.kv_heads * s.head_dim);
+    let total = cache.k.len() / kvw;
+    let pos0 = total - n;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let group = s.heads / s.kv_heads;
+    let mut out = vec![0f32; n * s.heads * hd];
+    let (kc, vc) = (&cache.k, &cache.v);
+    let work = |(i, o): (usize, &mut [f32])| {
+        let (t, h) = (i / s.heads, i % s.heads);
+        let kvh = h / group;
+        let qh = &q[(t * s.heads + h) * hd..(t * s.heads + h + 1) * hd];
+        let visible = pos0 + t + 1;
+        let mut scores: Vec<f32> = (0..visible)
+            .map(|j| isa.dot(qh, &kc[j * kvw + kvh * hd..j * kvw + (kvh + 1) * hd]) * scale)
+            .collect();
+        softmax(&mut scores);
+        for (j, p) in scores.iter().enumerate() {
+            let vj = &vc[j * kvw + kvh * hd..j * kvw + (kvh + 1) * hd];
+            for (acc, x) in o.iter_mut().zip(vj) {
+                *acc += p * x;
+            }
+        }
+    };
+    if n * s.heads * total * hd < 1 << 16 {
+        out.chunks_mut(hd).enumerate().for_each(work);
+    } else {
+        out.par_chunks_mut(hd).enumerate().for_each(work);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rope_preserves_norm_and_rotates_pairs() {
+        let r = Rope::new(4, 10000.0, false, None).unwrap();
+        let mut x = vec![1.0, 0.0, 0.0, 0.0];
+        r.apply(&mut x, 4, 1);
+        // pair (0, 2) with inv_freq 1: (cos 1, sin 1)
+        assert!((x[0] - 1f32.cos()).abs() < 1e-6 && (x[2] - 1f32.sin()).abs() < 1e-6);
+        assert!(Rope::new(
+            4,
+            1e4,
+            false,
+            Some(&RopeScaling {
+                rope_type: Some("nope".into()),
+                ..Default::default()
+            })
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn attention_of_one_position_returns_its_value() {
+        let s = AttnShape {
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 2,
+        };
+        let mut c = LayerKv::default();
+        let o = attention(
+            Isa::Scalar,
+            s,
+            &[1.0, 2.0, 3.0, 4.0],
+            &[0.5, 0.5],
+            &[7.0, 9.0],
+            1,
+            &mut c,
+        );
+        assert_eq!(o, vec![7.0, 9.0, 7.0, 9.0]);
+    }
+
+    #[test]
+    fn top_k_is_ordered_and_stable() {
+        assert_eq!(top_k(&[0.1, 0.5, 0.5, 0.2], 3), vec![1, 2, 3]);
+    }
+}
