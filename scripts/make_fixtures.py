@@ -8,6 +8,7 @@ For each architecture this builds a random bf16 model with mlx-lm's own model cl
   * `logits`: all prompt positions, computed in float32 (packed weights kept, every float parameter and
     every scale/bias upcast to f32, because MLX's CPU bf16 quantized kernels are not accurate on x86);
   * `greedy`: the first 32 greedy tokens after the prompt (KV-cached decode, float32);
+  * `chat_ids`: Hugging Face `apply_chat_template` token ids for a fixed conversation;
   * `logits_top1`: last-position logits with the experts per token forced to 1 (tests `--top-k`).
 Derived fixtures exercise loader paths `mlx_lm.convert` does not write: `-overrides` has a `false` override and a
 null-group override (mlx-lm computes its goldens); `-overrides-vlm-sharded` nests it VLM-style with `language_model.`
@@ -34,6 +35,10 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from mlx_lm.utils import _get_classes  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Café 日本語 🚀"
+CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name a fox. Café? 日本語 🚀"},
+]
 N_GREEDY = 32
 VOCAB = 384
 
@@ -193,6 +198,9 @@ def goldens(model_dir: Path):
     model, tok = load(str(model_dir))
     to_f32(model)
     ids = tok.encode(PROMPT)
+    chat_ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
+    if isinstance(chat_ids, dict):  # newer transformers return a BatchEncoding
+        chat_ids = chat_ids["input_ids"]
     x = mx.array([ids])
     logits = model(x).astype(mx.float32)
     mx.eval(logits)
@@ -222,6 +230,8 @@ def goldens(model_dir: Path):
     return {
         "prompt": PROMPT,
         "prompt_ids": ids,
+        "chat": CHAT,
+        "chat_ids": list(chat_ids),
         "logit_positions": positions,
         "logits": [logits[0, p].tolist() for p in positions],
         "greedy": out,

@@ -127,7 +127,7 @@ fn normalise_rope(text: &mut Value) {
         .or_else(|| params.get("type"))
         .and_then(Value::as_str)
         .unwrap_or("default");
-    if kind != "default" && !map.get("rope_scaling").is_some_and(|v| !v.is_null()) {
+    if kind != "default" && map.get("rope_scaling").is_none_or(|v| v.is_null()) {
         map.insert("rope_scaling".into(), Value::Object(params));
     }
 }

@@ -3,13 +3,19 @@
 pub mod config;
 pub mod cpu;
 pub mod error;
+pub mod generate;
 pub mod layers;
 pub mod linear;
 pub mod models;
 pub mod ops;
 pub mod quant;
+pub mod sampling;
+pub mod text;
 pub mod weights;
 
 pub use error::{ModelError, Result};
+pub use generate::{FinishReason, GenerateParams, GenerationStats, Pipeline, Prompt};
 pub use layers::{DecoderModel, ForwardOptions, ModelInfo, RouterKind};
 pub use models::{load_model, supported_model_types};
+pub use sampling::SamplingParams;
+pub use text::{ChatMessage, TextCodec};

@@ -79,7 +79,7 @@ impl QuantConfig {
             None | Some(Value::Null) => QuantMode::Affine,
             Some(v) => return Err(format!("`quantization.mode` must be a string, got {v}")),
         };
-        let default = Some(spec_from(map, default_mode, "quantization")?);
+        let base = spec_from(map, default_mode, "quantization")?;
         let mut overrides = HashMap::new();
         for (k, v) in map {
             if matches!(k.as_str(), "group_size" | "bits" | "mode" | "quant_method") {
@@ -87,7 +87,7 @@ impl QuantConfig {
             }
             let o = match v {
                 Value::Bool(false) => Override::Off,
-                Value::Bool(true) => Override::Spec(default.expect("set above")),
+                Value::Bool(true) => Override::Spec(base),
                 // An override without `mode` does not inherit the top-level mode: MLX passes the dict to
                 // `to_quantized`, whose default is affine.
                 Value::Object(m) => {
@@ -101,7 +101,10 @@ impl QuantConfig {
             };
             overrides.insert(k.clone(), o);
         }
-        Ok(Self { default, overrides })
+        Ok(Self {
+            default: Some(base),
+            overrides,
+        })
     }
 
     /// Parameters for module `path` (without `.weight`), or `None` if the config says it is unquantized.

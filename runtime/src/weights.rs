@@ -145,14 +145,16 @@ impl Weights {
             });
         }
         let (bits, group) = (spec.bits, spec.group_size);
-        if !matches!(bits, 2 | 3 | 4 | 5 | 6 | 8) || group == 0 || (group * bits as usize) % 32 != 0
+        if !matches!(bits, 2 | 3 | 4 | 5 | 6 | 8)
+            || group == 0
+            || !(group * bits as usize).is_multiple_of(32)
         {
             return Err(ModelError::UnsupportedQuant {
                 path: module.to_string(),
                 message: format!("{bits}-bit codes in groups of {group} are not supported"),
             });
         }
-        if cols % group != 0 {
+        if !cols.is_multiple_of(group) {
             return Err(bad(
                 &wname,
                 format!("input dim {cols} is not a multiple of group size {group}"),

@@ -1,1 +1,196 @@
-fn main() {}
+//! `sluice`: serve Mixture-of-Experts models bigger than memory. This build has `generate`.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use sluice_runtime::{
+    ChatMessage, GenerateParams, GenerationStats, Pipeline, Prompt, SamplingParams,
+};
+
+#[derive(Parser)]
+#[command(
+    name = "sluice",
+    version,
+    about = "Serve MoE models bigger than memory by streaming experts from the SSD"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt; the text goes to stdout, a summary line to stderr.
+    Generate(GenerateArgs),
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    /// Model directory (MLX safetensors: config.json, *.safetensors, tokenizer.json).
+    #[arg(short = 'm', long, env = "SLUICE_MODEL")]
+    model: PathBuf,
+    /// Raw prompt text, tokenized as is (no chat template).
+    #[arg(
+        short = 'p',
+        long,
+        conflicts_with = "chat",
+        required_unless_present = "chat"
+    )]
+    prompt: Option<String>,
+    /// A user message, wrapped in the model's chat template.
+    #[arg(long)]
+    chat: Option<String>,
+    /// A system message placed before `--chat`.
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
+    /// Most tokens to generate.
+    #[arg(short = 'n', long, default_value_t = 256, env = "SLUICE_MAX_TOKENS")]
+    max_tokens: usize,
+    /// Experts per token (default: the model's `num_experts_per_tok`).
+    #[arg(long, env = "SLUICE_TOP_K")]
+    top_k: Option<usize>,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling: keep the smallest set of tokens with this much probability.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Sampling top-k: keep the k most likely tokens (0: off). Not the expert count; that is `--top-k`.
+    #[arg(long, default_value_t = 0)]
+    sample_top_k: usize,
+    /// Drop tokens less likely than min-p × the most likely one (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    /// Penalty on recently seen tokens (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    /// How many recent tokens the repetition penalty looks at (0: all).
+    #[arg(long, default_value_t = 64)]
+    repeat_last_n: usize,
+    /// RNG seed for sampling.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop when this text appears (repeatable); it is not printed.
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Lower the context limit (default: the model's max_position_embeddings).
+    #[arg(short = 'c', long, env = "SLUICE_CTX_SIZE")]
+    ctx_size: Option<usize>,
+    /// Compute threads (default: all cores).
+    #[arg(short = 't', long, env = "SLUICE_THREADS")]
+    threads: Option<usize>,
+    /// Do not stop at end-of-sequence tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .init();
+    match Cli::parse().command {
+        Command::Generate(args) => generate(args),
+    }
+}
+
+fn generate(a: GenerateArgs) -> Result<()> {
+    if let Some(n) = a.threads {
+        if n == 0 {
+            bail!("--threads must be at least 1");
+        }
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .context("setting up the thread pool")?;
+    }
+    let params = GenerateParams {
+        max_tokens: a.max_tokens,
+        sampling: SamplingParams {
+            temperature: a.temperature,
+            top_p: a.top_p,
+            top_k: a.sample_top_k,
+            min_p: a.min_p,
+            repetition_penalty: a.repetition_penalty,
+            repeat_last_n: a.repeat_last_n,
+            seed: a.seed,
+            ..SamplingParams::default()
+        },
+        stop: a.stop.clone(),
+        expert_top_k: a.top_k,
+        ignore_eos: a.ignore_eos,
+        context_limit: a.ctx_size,
+    };
+    // Cheap checks before a load that may take minutes.
+    params.sampling.validate()?;
+    let pipeline = Pipeline::load(&a.model)
+        .with_context(|| format!("loading the model in {}", a.model.display()))?;
+    let prompt = match (&a.prompt, &a.chat) {
+        (Some(p), _) => Prompt::Raw(p.clone()),
+        (None, Some(c)) => {
+            let mut msgs = Vec::new();
+            if let Some(s) = &a.system {
+                msgs.push(ChatMessage::new("system", s));
+            }
+            msgs.push(ChatMessage::new("user", c));
+            Prompt::Chat(msgs)
+        }
+        (None, None) => bail!("give --prompt or --chat"),
+    };
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let mut write_failed = None;
+    let stats = pipeline.generate(&prompt, &params, |text| {
+        match out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
+            Ok(()) => true,
+            Err(e) => {
+                // A closed pipe (e.g. `| head`) ends generation quietly.
+                write_failed = Some(e);
+                false
+            }
+        }
+    })?;
+    if write_failed.is_none() {
+        let _ = writeln!(out);
+    }
+    eprintln!("{}", summary(&stats));
+    Ok(())
+}
+
+fn rate(n: usize, t: Duration) -> f64 {
+    if t.is_zero() {
+        0.0
+    } else {
+        n as f64 / t.as_secs_f64()
+    }
+}
+
+/// One line: prompt tokens and tok/s, generated tokens and tok/s, peak RSS.
+fn summary(s: &GenerationStats) -> String {
+    format!(
+        "prompt: {} tokens, {:.1} tok/s | generated: {} tokens, {:.1} tok/s | peak RSS: {} | finish: {:?}",
+        s.prompt_tokens,
+        rate(s.prompt_tokens, s.prefill_time),
+        s.generated_tokens,
+        rate(s.decode_steps, s.decode_time),
+        peak_rss().map_or("unknown".into(), |b| format!("{:.1} MiB", b as f64 / (1024.0 * 1024.0))),
+        s.finish,
+    )
+}
+
+/// Peak resident set size of this process, in bytes.
+fn peak_rss() -> Option<u64> {
+    let usage = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_SELF).ok()?;
+    let max = usage.max_rss() as u64;
+    // Linux reports KiB, macOS bytes.
+    Some(if cfg!(target_os = "macos") {
+        max
+    } else {
+        max * 1024
+    })
+}

@@ -98,13 +98,13 @@ impl DecoderDims {
                 "hidden size, layers, heads, head_dim and vocab_size must all be non-zero",
             ));
         }
-        if a.heads % a.kv_heads != 0 {
+        if !a.heads.is_multiple_of(a.kv_heads) {
             return Err(c.error(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {}",
                 a.heads, a.kv_heads
             )));
         }
-        if a.head_dim % 2 != 0 {
+        if !a.head_dim.is_multiple_of(2) {
             return Err(c.error(format!("head_dim {} must be even for RoPE", a.head_dim)));
         }
         if num_experts > 0 && (self.top_k == 0 || self.top_k > num_experts) {

@@ -1,0 +1,201 @@
+//! The decode loop: prompt → prefill → sample → stream text, until EOS, a stop string, the token budget or
+//! the context limit.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::layers::{DecoderModel, ForwardOptions};
+use crate::models::load_model;
+use crate::sampling::{Sampler, SamplingParams};
+use crate::text::{ChatMessage, StopMatcher, StreamDecoder, TextCodec};
+
+/// What to continue.
+#[derive(Debug, Clone)]
+pub enum Prompt {
+    /// Raw text, tokenized as is (with the tokenizer's own special tokens, e.g. BOS).
+    Raw(String),
+    /// Messages rendered through the model's chat template, ending with the assistant's turn.
+    Chat(Vec<ChatMessage>),
+    /// Token ids.
+    Tokens(Vec<u32>),
+}
+
+/// How to generate.
+#[derive(Debug, Clone)]
+pub struct GenerateParams {
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Sampling settings.
+    pub sampling: SamplingParams,
+    /// Stop strings (not included in the output).
+    pub stop: Vec<String>,
+    /// Experts per token (`None`: the model's own).
+    pub expert_top_k: Option<usize>,
+    /// Keep going past end-of-sequence tokens.
+    pub ignore_eos: bool,
+    /// Lower the context limit below the model's (`None`: the model's).
+    pub context_limit: Option<usize>,
+}
+
+impl Default for GenerateParams {
+    fn default() -> Self {
+        Self {
+            max_tokens: 256,
+            sampling: SamplingParams::default(),
+            stop: Vec::new(),
+            expert_top_k: None,
+            ignore_eos: false,
+            context_limit: None,
+        }
+    }
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token or a stop string.
+    Stop,
+    /// `max_tokens` or the context limit.
+    Length,
+    /// The text callback asked to stop (e.g. the client went away).
+    Cancelled,
+}
+
+/// Counts and timings of one generation.
+#[derive(Debug, Clone)]
+pub struct GenerationStats {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Time for the prompt's forward pass.
+    pub prefill_time: Duration,
+    /// Tokens generated (an EOS token counts; it is not printed).
+    pub generated_tokens: usize,
+    /// The generated token ids.
+    pub tokens: Vec<u32>,
+    /// Single-token forward passes after the prefill.
+    pub decode_steps: usize,
+    /// Time spent in those steps (and sampling).
+    pub decode_time: Duration,
+    /// Why it ended.
+    pub finish: FinishReason,
+}
+
+/// A model with its tokenizer: everything `generate` needs.
+pub struct Pipeline {
+    /// The network.
+    pub model: DecoderModel,
+    /// Tokenizer, chat template, EOS ids.
+    pub codec: TextCodec,
+}
+
+impl Pipeline {
+    /// Loads the model and tokenizer in `dir`.
+    pub fn load(dir: &Path) -> Result<Self> {
+        let config = ModelConfig::load(dir)?;
+        let model = load_model(dir)?;
+        let codec = TextCodec::load(dir, &config.eos_token_ids())?;
+        Ok(Self { model, codec })
+    }
+
+    /// Token ids of a prompt.
+    pub fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>> {
+        match prompt {
+            Prompt::Raw(text) => self.codec.encode(text, true),
+            // The template writes the special tokens itself, as in HF's apply_chat_template.
+            Prompt::Chat(msgs) => self
+                .codec
+                .encode(&self.codec.apply_chat_template(msgs, true)?, false),
+            Prompt::Tokens(t) => Ok(t.clone()),
+        }
+    }
+
+    /// Generates from `prompt`, calling `on_text` with each new piece of text; it returns `false` to stop.
+    pub fn generate(
+        &self,
+        prompt: &Prompt,
+        params: &GenerateParams,
+        mut on_text: impl FnMut(&str) -> bool,
+    ) -> Result<GenerationStats> {
+        let ids = self.tokenize(prompt)?;
+        let ctx = params
+            .context_limit
+            .map_or(self.model.info.context_length, |c| {
+                c.min(self.model.info.context_length)
+            });
+        if ids.is_empty() {
+            return Err(ModelError::InvalidArgument(
+                "the prompt is empty (no tokens)".into(),
+            ));
+        }
+        if ids.len() > ctx {
+            return Err(ModelError::Limit(format!(
+                "the prompt has {} tokens but the context limit is {ctx} tokens",
+                ids.len()
+            )));
+        }
+        let mut sampler = Sampler::new(params.sampling.clone())?;
+        let opts = ForwardOptions {
+            top_k: params.expert_top_k,
+            all_logits: false,
+        };
+        let mut cache = self.model.new_cache();
+        let t0 = Instant::now();
+        let mut logits = self.model.forward(&ids, &mut cache, &opts)?;
+        let prefill_time = t0.elapsed();
+
+        let t1 = Instant::now();
+        let mut generated: Vec<u32> = Vec::new();
+        let mut decoder = StreamDecoder::new();
+        let mut stops = StopMatcher::new(&params.stop);
+        let mut decode_steps = 0;
+        let mut stop_string_hit = false;
+        let finish = loop {
+            if generated.len() >= params.max_tokens {
+                break FinishReason::Length;
+            }
+            let next = sampler.sample(&logits, &ids, &generated);
+            generated.push(next);
+            if !params.ignore_eos && self.codec.eos_ids().contains(&next) {
+                break FinishReason::Stop;
+            }
+            let (text, hit) = stops.push(&decoder.push(&self.codec, next)?);
+            if !text.is_empty() && !on_text(&text) {
+                break FinishReason::Cancelled;
+            }
+            if hit {
+                stop_string_hit = true;
+                break FinishReason::Stop;
+            }
+            if generated.len() >= params.max_tokens {
+                break FinishReason::Length;
+            }
+            if cache.len >= ctx {
+                break FinishReason::Length;
+            }
+            logits = self.model.forward(&[next], &mut cache, &opts)?;
+            decode_steps += 1;
+        };
+        // Flush text held back for an incomplete character or a possible stop string, unless the output
+        // already ended at a stop string or the receiver is gone.
+        if finish != FinishReason::Cancelled && !stop_string_hit {
+            let (mut rest, hit) = stops.push(&decoder.finish(&self.codec)?);
+            if !hit {
+                rest.push_str(&stops.finish());
+            }
+            if !rest.is_empty() {
+                on_text(&rest);
+            }
+        }
+        Ok(GenerationStats {
+            prompt_tokens: ids.len(),
+            prefill_time,
+            generated_tokens: generated.len(),
+            tokens: generated,
+            decode_steps,
+            decode_time: t1.elapsed(),
+            finish,
+        })
+    }
+}

@@ -1,0 +1,382 @@
+//! Text in and out: `tokenizer.json`, chat templates (minijinja), streaming detokenisation, stop strings.
+
+use std::path::{Path, PathBuf};
+
+use minijinja::{Environment, Error as JinjaError, ErrorKind, Value as JValue};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::error::{ModelError, Result};
+
+/// One chat message.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatMessage {
+    /// "system", "user", "assistant", ...
+    pub role: String,
+    /// Message text.
+    pub content: String,
+}
+
+impl ChatMessage {
+    /// A message with `role` and `content`.
+    pub fn new(role: &str, content: &str) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+/// A model's tokenizer, chat template and end-of-sequence tokens.
+pub struct TextCodec {
+    tok: tokenizers::Tokenizer,
+    chat_template: Option<String>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+    eos_ids: Vec<u32>,
+}
+
+fn tok_err(path: &Path, e: impl std::fmt::Display) -> ModelError {
+    ModelError::Tokenizer(format!("{}: {e}", path.display()))
+}
+
+fn read_json(path: &Path) -> Result<Option<Value>> {
+    if !path.exists() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+        path: path.into(),
+        source,
+    })?;
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| ModelError::Config {
+            path: path.into(),
+            message: format!("not valid JSON: {e}"),
+        })
+}
+
+/// A special-token entry: `"<s>"` or `{"content": "<s>", ...}`.
+fn token_string(v: Option<&Value>) -> Option<String> {
+    match v? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(m) => m.get("content").and_then(Value::as_str).map(String::from),
+        _ => None,
+    }
+}
+
+fn ids_of(v: Option<&Value>) -> Vec<u32> {
+    match v {
+        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(Value::as_u64)
+            .map(|x| x as u32)
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+impl TextCodec {
+    /// Loads `tokenizer.json`, `tokenizer_config.json` / `chat_template.jinja` and `generation_config.json`
+    /// from `dir`; `config_eos` are the `eos_token_id`s of config.json.
+    pub fn load(dir: &Path, config_eos: &[u32]) -> Result<Self> {
+        let tpath: PathBuf = dir.join("tokenizer.json");
+        if !tpath.exists() {
+            return Err(ModelError::Tokenizer(format!(
+                "{}: not found",
+                tpath.display()
+            )));
+        }
+        let tok = tokenizers::Tokenizer::from_file(&tpath).map_err(|e| tok_err(&tpath, e))?;
+        let tc = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
+        let jinja = dir.join("chat_template.jinja");
+        let chat_template = if jinja.exists() {
+            Some(
+                std::fs::read_to_string(&jinja).map_err(|source| ModelError::Io {
+                    path: jinja,
+                    source,
+                })?,
+            )
+        } else {
+            match tc.get("chat_template") {
+                Some(Value::String(s)) => Some(s.clone()),
+                // A list of named templates: use "default".
+                Some(Value::Array(list)) => list
+                    .iter()
+                    .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                    .and_then(|t| t.get("template"))
+                    .and_then(Value::as_str)
+                    .map(String::from),
+                _ => None,
+            }
+        };
+        let bos_token = token_string(tc.get("bos_token"));
+        let eos_token = token_string(tc.get("eos_token"));
+        let mut eos_ids = config_eos.to_vec();
+        if let Some(gc) = read_json(&dir.join("generation_config.json"))? {
+            eos_ids.extend(ids_of(gc.get("eos_token_id")));
+        }
+        if let Some(id) = eos_token.as_deref().and_then(|t| tok.token_to_id(t)) {
+            eos_ids.push(id);
+        }
+        eos_ids.sort_unstable();
+        eos_ids.dedup();
+        Ok(Self {
+            tok,
+            chat_template,
+            bos_token,
+            eos_token,
+            eos_ids,
+        })
+    }
+
+    /// Token ids of `text`; `add_special` adds what the tokenizer's post-processor adds (e.g. BOS).
+    pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        let enc = self
+            .tok
+            .encode(text, add_special)
+            .map_err(|e| ModelError::Tokenizer(format!("encode: {e}")))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Text of `ids`, special tokens skipped. Incomplete UTF-8 shows as U+FFFD.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.tok
+            .decode(ids, true)
+            .map_err(|e| ModelError::Tokenizer(format!("decode: {e}")))
+    }
+
+    /// End-of-sequence ids (config.json, generation_config.json, tokenizer_config.json's `eos_token`).
+    pub fn eos_ids(&self) -> &[u32] {
+        &self.eos_ids
+    }
+
+    /// Whether a chat template was found.
+    pub fn has_chat_template(&self) -> bool {
+        self.chat_template.is_some()
+    }
+
+    /// Renders `messages` with the model's chat template (as Hugging Face's `apply_chat_template` does).
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let template = self.chat_template.as_deref().ok_or_else(|| {
+            ModelError::Tokenizer("this model has no chat template; use a raw prompt".into())
+        })?;
+        let mut env = Environment::new();
+        // Hugging Face renders with trim_blocks and lstrip_blocks, and Python string methods in templates.
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<JValue, JinjaError> {
+                Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
+            },
+        );
+        env.add_function("strftime_now", |fmt: String| -> String {
+            strftime_now(&fmt)
+        });
+        // HF's tojson does not HTML-escape (minijinja's does); tool schemas rely on that.
+        env.add_filter(
+            "tojson",
+            |v: JValue, indent: Option<usize>| -> Result<String, JinjaError> {
+                let j: Value = serde_json::to_value(&v)
+                    .map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, e.to_string()))?;
+                Ok(match indent {
+                    Some(n) => {
+                        let mut buf = Vec::new();
+                        let ind = vec![b' '; n];
+                        let fmt = serde_json::ser::PrettyFormatter::with_indent(&ind);
+                        let mut ser = serde_json::Serializer::with_formatter(&mut buf, fmt);
+                        j.serialize(&mut ser).map_err(|e| {
+                            JinjaError::new(ErrorKind::InvalidOperation, e.to_string())
+                        })?;
+                        String::from_utf8_lossy(&buf).into_owned()
+                    }
+                    None => j.to_string(),
+                })
+            },
+        );
+        env.add_template("chat", template)
+            .map_err(|e| ModelError::Tokenizer(format!("chat template: {e}")))?;
+        let ctx = minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token.clone().unwrap_or_default(),
+            eos_token => self.eos_token.clone().unwrap_or_default(),
+        };
+        env.get_template("chat")
+            .and_then(|t| t.render(ctx))
+            .map_err(|e| ModelError::Tokenizer(format!("chat template: {e}")))
+    }
+}
+
+/// The current UTC time formatted with the few strftime codes chat templates use.
+fn strftime_now(fmt: &str) -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let days = (secs / 86400) as i64;
+    // Civil-from-days (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    let month = MONTHS[(m - 1) as usize];
+    fmt.replace("%Y", &y.to_string())
+        .replace("%m", &format!("{m:02}"))
+        .replace("%d", &format!("{d:02}"))
+        .replace("%B", month)
+        .replace("%b", &month[..3])
+}
+
+/// Turns a growing token sequence into text chunks that never split a UTF-8 character.
+///
+/// It decodes a short window of recent tokens twice (with and without the newest) and emits the difference
+/// only once it no longer ends in U+FFFD, the mark of a byte sequence still incomplete.
+#[derive(Debug, Default)]
+pub struct StreamDecoder {
+    ids: Vec<u32>,
+    prefix: usize,
+    read: usize,
+}
+
+impl StreamDecoder {
+    /// A decoder with no tokens.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds one token; returns the text it completes (possibly empty).
+    pub fn push(&mut self, codec: &TextCodec, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let before = codec.decode(&self.ids[self.prefix..self.read])?;
+        let now = codec.decode(&self.ids[self.prefix..])?;
+        if now.len() > before.len() && !now.ends_with('\u{FFFD}') {
+            let mut cut = before.len();
+            while !now.is_char_boundary(cut) {
+                cut += 1;
+            }
+            let out = now[cut..].to_string();
+            self.prefix = self.read;
+            self.read = self.ids.len();
+            Ok(out)
+        } else {
+            Ok(String::new())
+        }
+    }
+
+    /// Text still held back at the end of the sequence (an incomplete character decodes as U+FFFD).
+    pub fn finish(&mut self, codec: &TextCodec) -> Result<String> {
+        let before = codec.decode(&self.ids[self.prefix..self.read])?;
+        let now = codec.decode(&self.ids[self.prefix..])?;
+        self.prefix = self.ids.len();
+        self.read = self.ids.len();
+        Ok(now.get(before.len()..).unwrap_or("").to_string())
+    }
+}
+
+/// Finds stop strings in streamed text, holding back any tail that could still become one.
+#[derive(Debug, Default)]
+pub struct StopMatcher {
+    stops: Vec<String>,
+    held: String,
+}
+
+impl StopMatcher {
+    /// A matcher for `stops` (empty strings are ignored).
+    pub fn new(stops: &[String]) -> Self {
+        Self {
+            stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
+            held: String::new(),
+        }
+    }
+
+    /// Feeds a chunk; returns the text safe to emit and whether a stop string was hit (text after it is
+    /// dropped, the stop string itself is not emitted).
+    pub fn push(&mut self, chunk: &str) -> (String, bool) {
+        self.held.push_str(chunk);
+        let first = self
+            .stops
+            .iter()
+            .filter_map(|s| self.held.find(s.as_str()))
+            .min();
+        if let Some(at) = first {
+            let out = self.held[..at].to_string();
+            self.held.clear();
+            return (out, true);
+        }
+        // Hold back the longest suffix that is a proper prefix of some stop string.
+        let mut keep = 0;
+        for s in &self.stops {
+            for (i, _) in s.char_indices().skip(1) {
+                if self.held.ends_with(&s[..i]) {
+                    keep = keep.max(i);
+                }
+            }
+        }
+        let cut = self.held.len() - keep;
+        let out = self.held[..cut].to_string();
+        self.held.drain(..cut);
+        (out, false)
+    }
+
+    /// Whatever is held back, at the end of generation.
+    pub fn finish(&mut self) -> String {
+        std::mem::take(&mut self.held)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_strings_split_across_chunks() {
+        let mut m = StopMatcher::new(&["END".to_string(), "\n\n".to_string()]);
+        assert_eq!(m.push("hello E"), ("hello ".to_string(), false));
+        assert_eq!(m.push("N"), (String::new(), false));
+        assert_eq!(m.push("Dgone"), (String::new(), true));
+        let mut m = StopMatcher::new(&["END".to_string()]);
+        assert_eq!(m.push("ENx"), ("ENx".to_string(), false));
+        assert_eq!(m.push("E"), (String::new(), false));
+        assert_eq!(m.finish(), "E");
+        let mut m = StopMatcher::new(&["日本".to_string()]);
+        assert_eq!(m.push("a日"), ("a".to_string(), false));
+        assert_eq!(m.push("x"), ("日x".to_string(), false));
+    }
+
+    #[test]
+    fn strftime_now_formats_a_date() {
+        let s = strftime_now("%d %B %Y");
+        assert_eq!(s.len(), s.trim().len());
+        assert!(
+            s.split(' ').count() == 3 && s.ends_with(|c: char| c.is_ascii_digit()),
+            "{s}"
+        );
+    }
+}

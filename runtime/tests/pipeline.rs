@@ -1,0 +1,251 @@
+//! Tokenizer, chat template, streaming text, stop conditions and limits on the committed fixtures.
+
+use std::path::{Path, PathBuf};
+
+use sluice_runtime::{ChatMessage, FinishReason, GenerateParams, ModelError, Pipeline, Prompt};
+
+#[derive(serde::Deserialize)]
+struct Golden {
+    prompt: String,
+    prompt_ids: Vec<u32>,
+    chat: Vec<Msg>,
+    chat_ids: Vec<u32>,
+    greedy: Vec<u32>,
+}
+
+#[derive(serde::Deserialize)]
+struct Msg {
+    role: String,
+    content: String,
+}
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../fixtures")
+        .join(name)
+}
+
+fn golden(dir: &Path) -> Golden {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap()
+}
+
+fn run(
+    p: &Pipeline,
+    prompt: &Prompt,
+    params: &GenerateParams,
+) -> (String, sluice_runtime::GenerationStats) {
+    let mut text = String::new();
+    let stats = p
+        .generate(prompt, params, |t| {
+            text.push_str(t);
+            true
+        })
+        .unwrap();
+    (text, stats)
+}
+
+const FIXTURES: &[&str] = &[
+    "qwen3_moe-q4g64",
+    "qwen3_moe-q4g64-overrides-vlm-sharded",
+    "qwen3_moe_tied-q8g32",
+    "mixtral-q8g32",
+];
+
+#[test]
+fn tokenizer_and_chat_template_match_hugging_face() {
+    for name in FIXTURES {
+        let dir = fixture(name);
+        let g = golden(&dir);
+        let p = Pipeline::load(&dir).unwrap();
+        assert_eq!(
+            p.tokenize(&Prompt::Raw(g.prompt.clone())).unwrap(),
+            g.prompt_ids,
+            "{name}"
+        );
+        let msgs: Vec<ChatMessage> = g
+            .chat
+            .iter()
+            .map(|m| ChatMessage::new(&m.role, &m.content))
+            .collect();
+        assert_eq!(
+            p.tokenize(&Prompt::Chat(msgs)).unwrap(),
+            g.chat_ids,
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn generate_reproduces_mlx_lm_greedy_tokens_and_streams_their_text() {
+    for name in FIXTURES {
+        let dir = fixture(name);
+        let g = golden(&dir);
+        let p = Pipeline::load(&dir).unwrap();
+        let params = GenerateParams {
+            max_tokens: g.greedy.len(),
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let (text, stats) = run(&p, &Prompt::Raw(g.prompt.clone()), &params);
+        assert_eq!(stats.tokens, g.greedy, "{name}");
+        assert_eq!(stats.finish, FinishReason::Length);
+        assert_eq!(stats.prompt_tokens, g.prompt_ids.len());
+        // The streamed chunks add up to the one-shot decode of the same tokens.
+        assert_eq!(text, p.codec.decode(&g.greedy).unwrap(), "{name}");
+    }
+}
+
+#[test]
+fn streamed_multibyte_text_is_never_split_mid_character() {
+    let p = Pipeline::load(&fixture("qwen3_moe-q4g64")).unwrap();
+    let text = "Café crème 日本語のテキスト 🚀🦊✨ naïve";
+    let ids = p.codec.encode(text, false).unwrap();
+    let mut dec = sluice_runtime::text::StreamDecoder::new();
+    let mut out = String::new();
+    let mut held_back = 0;
+    for id in ids {
+        let chunk = dec.push(&p.codec, id).unwrap();
+        assert!(
+            !chunk.contains('\u{FFFD}'),
+            "chunk {chunk:?} carries a broken character"
+        );
+        held_back += usize::from(chunk.is_empty());
+        out.push_str(&chunk);
+    }
+    out.push_str(&dec.finish(&p.codec).unwrap());
+    assert_eq!(out, text);
+    assert!(
+        held_back > 0,
+        "this text should need at least one token held back (multi-token characters)"
+    );
+}
+
+#[test]
+fn stops_at_eos_without_printing_it() {
+    // mlx-lm's greedy continuation of this fixture emits token 2 (<|im_end|>, the EOS) at step 6.
+    let dir = fixture("qwen3_moe-mixed36");
+    let g = golden(&dir);
+    let at = g
+        .greedy
+        .iter()
+        .position(|&t| t == 2)
+        .expect("the committed golden contains EOS");
+    let p = Pipeline::load(&dir).unwrap();
+    let (text, stats) = run(
+        &p,
+        &Prompt::Raw(g.prompt.clone()),
+        &GenerateParams {
+            max_tokens: 32,
+            ..Default::default()
+        },
+    );
+    assert_eq!(stats.finish, FinishReason::Stop);
+    assert_eq!(stats.tokens, g.greedy[..=at]);
+    assert_eq!(text, p.codec.decode(&g.greedy[..at]).unwrap());
+}
+
+#[test]
+fn stops_at_a_stop_string_and_drops_it() {
+    let dir = fixture("mixtral-q8g32");
+    let g = golden(&dir);
+    let p = Pipeline::load(&dir).unwrap();
+    let full = p.codec.decode(&g.greedy).unwrap();
+    let chars: Vec<char> = full.chars().collect();
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
+    let cut = full.find(&stop).unwrap();
+    let params = GenerateParams {
+        max_tokens: 32,
+        ignore_eos: true,
+        stop: vec![stop.clone()],
+        ..Default::default()
+    };
+    let (text, stats) = run(&p, &Prompt::Raw(g.prompt.clone()), &params);
+    assert_eq!(stats.finish, FinishReason::Stop);
+    assert_eq!(text, full[..cut], "stop {stop:?}");
+}
+
+#[test]
+fn cancellation_stops_at_the_next_token() {
+    let p = Pipeline::load(&fixture("qwen3_moe-q4g64")).unwrap();
+    let mut calls = 0;
+    let stats = p
+        .generate(
+            &Prompt::Raw("hello".into()),
+            &GenerateParams {
+                max_tokens: 50,
+                ignore_eos: true,
+                ..Default::default()
+            },
+            |_| {
+                calls += 1;
+                false
+            },
+        )
+        .unwrap();
+    assert_eq!(stats.finish, FinishReason::Cancelled);
+    assert_eq!(calls, 1);
+    assert!(stats.generated_tokens < 50);
+}
+
+#[test]
+fn prompt_longer_than_the_context_is_a_clear_error_and_context_end_finishes() {
+    let dir = fixture("qwen3_moe-q4g64");
+    let g = golden(&dir);
+    let p = Pipeline::load(&dir).unwrap();
+    let params = GenerateParams {
+        context_limit: Some(10),
+        ..Default::default()
+    };
+    let e = p
+        .generate(&Prompt::Raw(g.prompt.clone()), &params, |_| true)
+        .unwrap_err();
+    assert!(matches!(e, ModelError::Limit(_)), "{e}");
+    assert!(
+        e.to_string().contains("38 tokens") && e.to_string().contains("context limit is 10"),
+        "{e}"
+    );
+
+    let params = GenerateParams {
+        context_limit: Some(40),
+        max_tokens: 100,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let (_, stats) = run(&p, &Prompt::Raw(g.prompt.clone()), &params);
+    assert_eq!(stats.finish, FinishReason::Length);
+    assert_eq!(
+        stats.tokens,
+        g.greedy[..3],
+        "two decode steps fill 40 positions; the third token is sampled last"
+    );
+}
+
+#[test]
+fn expert_top_k_out_of_range_and_empty_prompt_are_errors() {
+    let p = Pipeline::load(&fixture("mixtral-q4g64")).unwrap();
+    for k in [0, 5] {
+        let params = GenerateParams {
+            expert_top_k: Some(k),
+            ..Default::default()
+        };
+        let e = p
+            .generate(&Prompt::Raw("hi".into()), &params, |_| true)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("top-k") && e.contains("4 experts"), "{e}");
+    }
+    let e = p
+        .generate(&Prompt::Tokens(vec![]), &GenerateParams::default(), |_| {
+            true
+        })
+        .unwrap_err();
+    assert!(e.to_string().contains("empty"), "{e}");
+    let e = p
+        .generate(
+            &Prompt::Tokens(vec![9999]),
+            &GenerateParams::default(),
+            |_| true,
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("outside the vocabulary"), "{e}");
+}
