@@ -104,3 +104,110 @@ impl ExpertSource for MmapExpertSource {
         Ok(ExpertRecord { parts })
     }
 }
+
+/// Records held in memory (tests, and tiny models); each record is its list of parts.
+#[derive(Default)]
+pub struct InMemoryExpertSource {
+    records: HashMap<(usize, usize), ExpertRecord>,
+}
+
+impl InMemoryExpertSource {
+    /// An empty source.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Stores the parts of expert `expert` in layer `layer`.
+    pub fn insert(&mut self, layer: usize, expert: usize, parts: Vec<Vec<u8>>) {
+        let parts = parts.into_iter().map(OwnedBytes::from_vec).collect();
+        self.records.insert((layer, expert), ExpertRecord { parts });
+    }
+}
+
+impl ExpertSource for InMemoryExpertSource {
+    fn read_expert(&self, layer: usize, expert: usize) -> Result<ExpertRecord, StoreError> {
+        self.records
+            .get(&(layer, expert))
+            .cloned()
+            .ok_or(StoreError::NoRecord { layer, expert })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The same checks against every source: records come back whole, in part order, and out-of-range
+    /// requests are errors.
+    fn check_source(
+        src: &dyn ExpertSource,
+        layer: usize,
+        experts: usize,
+        expect: impl Fn(usize) -> Vec<Vec<u8>>,
+    ) {
+        for e in 0..experts {
+            let rec = src.read_expert(layer, e).unwrap();
+            let got: Vec<Vec<u8>> = rec.parts.iter().map(|p| p.to_vec()).collect();
+            assert_eq!(got, expect(e), "expert {e}");
+            assert_eq!(rec.len(), got.iter().map(Vec::len).sum::<usize>());
+        }
+        assert!(matches!(
+            src.read_expert(layer, experts),
+            Err(StoreError::NoRecord { .. })
+        ));
+        assert!(matches!(
+            src.read_expert(layer + 1, 0),
+            Err(StoreError::NoRecord { .. })
+        ));
+    }
+
+    fn parts_of(e: usize) -> Vec<Vec<u8>> {
+        vec![vec![e as u8; 8], vec![100 + e as u8; 4]]
+    }
+
+    #[test]
+    fn in_memory_source() {
+        let mut m = InMemoryExpertSource::new();
+        for e in 0..3 {
+            m.insert(2, e, parts_of(e));
+        }
+        check_source(&m, 2, 3, parts_of);
+    }
+
+    #[test]
+    fn mmap_source_slices_stacked_tensors() {
+        let d = tempfile::tempdir().unwrap();
+        // Two stacked tensors of 3 experts: 8 and 4 bytes per expert.
+        let a: Vec<u8> = (0..3).flat_map(|e| parts_of(e)[0].clone()).collect();
+        let b: Vec<u8> = (0..3).flat_map(|e| parts_of(e)[1].clone()).collect();
+        let header = r#"{"a":{"dtype":"U8","shape":[3,8],"data_offsets":[0,24]},"b":{"dtype":"U8","shape":[3,4],"data_offsets":[24,36]}}"#;
+        let mut buf = (header.len() as u64).to_le_bytes().to_vec();
+        buf.extend_from_slice(header.as_bytes());
+        buf.extend(a);
+        buf.extend(b);
+        std::fs::write(d.path().join("m.safetensors"), buf).unwrap();
+        let ck = Arc::new(Checkpoint::open(d.path()).unwrap());
+        let layout = StackedExperts {
+            layer: 2,
+            num_experts: 3,
+            tensors: vec!["a".into(), "b".into()],
+        };
+        check_source(
+            &MmapExpertSource::new(&ck, &[layout]).unwrap(),
+            2,
+            3,
+            parts_of,
+        );
+
+        let wrong = StackedExperts {
+            layer: 0,
+            num_experts: 4,
+            tensors: vec!["a".into()],
+        };
+        let e = MmapExpertSource::new(&ck, &[wrong])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("`a`") && e.contains("4 stacked experts"), "{e}");
+    }
+}

@@ -330,7 +330,7 @@ impl DecoderModel {
             )));
         }
         let k = opts.top_k.unwrap_or(self.info.default_top_k);
-        if k == 0 || k > self.info.num_experts.max(1) {
+        if self.info.num_experts > 0 && (k == 0 || k > self.info.num_experts) {
             return Err(ModelError::InvalidArgument(format!(
                 "top-k {k} must be between 1 and the model's {} experts",
                 self.info.num_experts
@@ -370,5 +370,169 @@ impl DecoderModel {
         ops::rms_norm(rows, &self.norm, self.eps);
         let m = rows.len() / h;
         Ok(self.lm_head.forward(isa, rows, m))
+    }
+}
+
+#[cfg(test)]
+impl SparseMoe {
+    /// The naive oracle: each token alone, each chosen expert dequantized by the scalar reference matmul,
+    /// weighted outputs summed in routing order.
+    fn forward_reference(&self, x: &[f32], n: usize, k: usize) -> Vec<f32> {
+        use crate::cpu::reference_matmul;
+        let h = self.hidden;
+        let mut out = vec![0f32; n * h];
+        for t in 0..n {
+            let xt = &x[t * h..(t + 1) * h];
+            let mut logits = vec![0f32; self.num_experts];
+            reference_matmul(&self.router.mat(), xt, 1, &mut logits);
+            let (ids, w) = self.kind.route(&logits, k);
+            for (e, wt) in ids.iter().zip(w) {
+                let rec = self.experts.read_expert(self.layer, *e).unwrap();
+                let parts: Vec<&[u8]> = rec.parts.iter().map(|p| p.as_slice()).collect();
+                let (pg, pu) = (self.formats[0].parts(), self.formats[1].parts());
+                let mut g = vec![0f32; self.inter];
+                let mut u = vec![0f32; self.inter];
+                reference_matmul(
+                    &self.formats[0].view(self.inter, h, &parts[..pg]),
+                    xt,
+                    1,
+                    &mut g,
+                );
+                reference_matmul(
+                    &self.formats[1].view(self.inter, h, &parts[pg..pg + pu]),
+                    xt,
+                    1,
+                    &mut u,
+                );
+                ops::swiglu(&mut g, &u);
+                let mut y = vec![0f32; h];
+                reference_matmul(
+                    &self.formats[2].view(h, self.inter, &parts[pg + pu..]),
+                    &g,
+                    1,
+                    &mut y,
+                );
+                for (o, v) in out[t * h..(t + 1) * h].iter_mut().zip(&y) {
+                    *o += wt * v;
+                }
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use expert_store::{InMemoryExpertSource, OwnedBytes};
+    use rand::{Rng, SeedableRng};
+
+    use super::*;
+    use crate::cpu::testutil::{encode, pack};
+    use crate::cpu::FloatType;
+
+    /// A random affine-quantized `[rows, cols]` matrix as (weight, scales, biases) bytes.
+    fn random_quant(
+        rng: &mut impl Rng,
+        bits: u32,
+        group: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Vec<Vec<u8>> {
+        let codes: Vec<u32> = (0..rows * cols)
+            .map(|_| rng.gen_range(0..1u32 << bits))
+            .collect();
+        let g = rows * cols / group;
+        let s: Vec<f32> = (0..g).map(|_| rng.gen_range(-0.05f32..0.05)).collect();
+        let b: Vec<f32> = (0..g).map(|_| rng.gen_range(-0.3f32..0.3)).collect();
+        vec![
+            pack(bits, &codes),
+            encode(FloatType::BF16, &s),
+            encode(FloatType::BF16, &b),
+        ]
+    }
+
+    fn moe(kind: RouterKind, seed: u64) -> SparseMoe {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let (h, inter, experts, bits, group) = (64, 96, 6, 4, 32);
+        let mut src = InMemoryExpertSource::new();
+        for e in 0..experts {
+            let mut parts = random_quant(&mut rng, bits, group, inter, h);
+            parts.extend(random_quant(&mut rng, bits, group, inter, h));
+            parts.extend(random_quant(&mut rng, bits, group, h, inter));
+            src.insert(3, e, parts);
+        }
+        let r = random_quant(&mut rng, 8, 64, experts, h);
+        let router = Linear {
+            format: WeightFormat::Affine {
+                bits: 8,
+                group: 64,
+                scale_type: FloatType::BF16,
+            },
+            rows: experts,
+            cols: h,
+            parts: r.into_iter().map(OwnedBytes::from_vec).collect(),
+        };
+        let f = WeightFormat::Affine {
+            bits,
+            group,
+            scale_type: FloatType::BF16,
+        };
+        SparseMoe::new(router, kind, 3, experts, h, inter, [f; 3], Arc::new(src))
+    }
+
+    #[test]
+    fn grouped_moe_matches_the_naive_reference_at_every_k() {
+        let kinds = [
+            RouterKind::SoftmaxTopK { renormalize: true },
+            RouterKind::SoftmaxTopK { renormalize: false },
+            RouterKind::TopKSoftmax,
+        ];
+        for (i, kind) in kinds.into_iter().enumerate() {
+            let m = moe(kind, i as u64);
+            let n = 7;
+            let mut rng = rand::rngs::StdRng::seed_from_u64(99);
+            let x: Vec<f32> = (0..n * 64).map(|_| rng.gen_range(-1f32..1.0)).collect();
+            for k in 1..=6 {
+                let fast = m.forward(Isa::detect(), &x, n, k).unwrap();
+                let slow = m.forward_reference(&x, n, k);
+                let scale = slow.iter().fold(0f32, |a, v| a.max(v.abs()));
+                for (a, b) in fast.iter().zip(&slow) {
+                    assert!((a - b).abs() <= 1e-4 * scale, "{kind:?} k={k}: {a} vs {b}");
+                }
+                // Batched equals token-by-token bit for bit.
+                for t in 0..n {
+                    let one = m
+                        .forward(Isa::detect(), &x[t * 64..(t + 1) * 64], 1, k)
+                        .unwrap();
+                    assert_eq!(one, fast[t * 64..(t + 1) * 64]);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn routing_weights_follow_the_router_kind() {
+        let logits = [2.0, 1.0, 0.5, -1.0];
+        let (ids, w) = RouterKind::SoftmaxTopK { renormalize: true }.route(&logits, 2);
+        assert_eq!(ids, vec![0, 1]);
+        assert!((w.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        let (_, w) = RouterKind::SoftmaxTopK { renormalize: false }.route(&logits, 2);
+        assert!(
+            w.iter().sum::<f32>() < 0.95,
+            "un-renormalised weights keep their softmax share"
+        );
+        let (_, w) = RouterKind::TopKSoftmax.route(&logits, 2);
+        assert!((w[0] - 1.0 / (1.0 + (-1f32).exp())).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_failing_expert_read_is_an_error_not_a_panic() {
+        let mut m = moe(RouterKind::TopKSoftmax, 5);
+        m.experts = Arc::new(InMemoryExpertSource::new());
+        let e = m.forward(Isa::detect(), &[0.1; 64], 1, 2).unwrap_err();
+        assert!(
+            e.to_string().contains("no expert record for layer 3"),
+            "{e}"
+        );
     }
 }

@@ -215,9 +215,26 @@ fn tensor_shape_contradicting_the_config_is_named() {
 
 #[test]
 fn tensor_dtype_contradicting_the_config_is_named() {
-    // An unquantized model whose config claims quantization: `.weight` is bf16 but scales are absent, so it is
-    // read as dense; claiming quantization on a dense checkpoint with `false` overrides etc. is covered by
-    // unit tests. Here: a quantized checkpoint whose quantization block was dropped.
+    // Relabel the first U32 (packed) tensor as I32 in the safetensors header: same size, wrong dtype.
+    let d = copy_fixture("qwen3_moe-q4g64");
+    let p = d.path().join("model.safetensors");
+    let mut bytes = std::fs::read(&p).unwrap();
+    let hlen = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header = String::from_utf8(bytes[8..8 + hlen].to_vec()).unwrap();
+    let at = header.find("\"U32\"").expect("a packed tensor");
+    bytes[8 + at + 1] = b'I';
+    std::fs::write(&p, bytes).unwrap();
+    let err = fails(d.path(), &[]);
+    assert!(
+        err.contains("tensor `")
+            && err.contains(".weight`")
+            && err.contains("must be U32, got I32"),
+        "{err}"
+    );
+}
+
+#[test]
+fn quantized_weights_without_a_quantization_block_are_named() {
     let d = copy_fixture("qwen3_moe-q4g64");
     edit_config(d.path(), |v| {
         let o = v.as_object_mut().unwrap();

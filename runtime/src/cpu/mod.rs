@@ -328,3 +328,5 @@ impl MatRef<'_> {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+pub(crate) mod testutil;

@@ -1,0 +1,95 @@
+//! Quantized matmul throughput against this machine's own DRAM read bandwidth, measured in the same run.
+//!
+//! `cargo bench -p sluice-runtime --bench qmatmul` (add `-- --quick` for a shorter run). Decode (one token) is
+//! bound by streaming weight bytes, so its figure is weight GB/s and the ratio to the DRAM probe; prefill
+//! reuses each unpacked row across tokens, so its figure is GFLOP/s.
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use rayon::prelude::*;
+use sluice_runtime::cpu::{FloatType, Isa, MatRef, QuantMatrix};
+
+/// Multi-threaded sequential read bandwidth over a buffer much larger than the caches, in GB/s.
+fn dram_read_gbps(bytes: usize, reps: usize) -> f64 {
+    let buf: Vec<u64> = (0..bytes / 8).map(|i| i as u64).collect();
+    let mut best = f64::MAX;
+    for _ in 0..reps {
+        let t = Instant::now();
+        let s: u64 = buf
+            .par_chunks(1 << 16)
+            .map(|c| c.iter().fold(0u64, |a, &b| a.wrapping_add(b)))
+            .sum();
+        black_box(s);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    bytes as f64 / best / 1e9
+}
+
+struct Expert {
+    packed: Vec<u8>,
+    scales: Vec<u8>,
+    biases: Vec<u8>,
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let (rows, cols, bits, group) = (768usize, 2048usize, 4u32, 64usize); // a Qwen3-30B-A3B expert gate/up
+    let count = if quick { 64 } else { 192 }; // 64 × 0.88 MB already exceeds the caches
+    let experts: Vec<Expert> = (0..count)
+        .map(|e| Expert {
+            packed: (0..rows * cols * bits as usize / 8)
+                .map(|i| (i * 31 + e) as u8)
+                .collect(),
+            scales: vec![0x3c; rows * cols / group * 2],
+            biases: vec![0xbc; rows * cols / group * 2],
+        })
+        .collect();
+    fn view(e: &Expert, bits: u32, group: usize, rows: usize, cols: usize) -> MatRef<'_> {
+        MatRef::Quant(QuantMatrix {
+            packed: &e.packed,
+            scales: &e.scales,
+            biases: &e.biases,
+            scale_type: FloatType::BF16,
+            bits,
+            group,
+            rows,
+            cols,
+        })
+    }
+    let mat = |e| view(e, bits, group, rows, cols);
+    let bytes_per = experts[0].packed.len() + experts[0].scales.len() * 2;
+    let dram = dram_read_gbps(512 << 20, if quick { 3 } else { 8 });
+    println!(
+        "threads: {}   DRAM read probe: {dram:.1} GB/s",
+        rayon::current_num_threads()
+    );
+    println!("matrix {rows}×{cols}, {bits}-bit g{group}, {:.2} MB each, {count} distinct (cache-cold cycle)", bytes_per as f64 / 1e6);
+    for isa in Isa::available() {
+        let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.01).sin()).collect();
+        let mut y = vec![0f32; rows];
+        let passes = if quick { 2 } else { 5 };
+        let t = Instant::now();
+        for _ in 0..passes {
+            for e in &experts {
+                mat(e).matmul(isa, &x, 1, &mut y);
+                black_box(&y);
+            }
+        }
+        let secs = t.elapsed().as_secs_f64();
+        let gbps = (passes * count * bytes_per) as f64 / secs / 1e9;
+        let n = 32;
+        let xs: Vec<f32> = (0..n * cols).map(|i| (i as f32 * 0.01).sin()).collect();
+        let mut ys = vec![0f32; n * rows];
+        let t = Instant::now();
+        for e in experts.iter().take(32) {
+            mat(e).matmul(isa, &xs, n, &mut ys);
+            black_box(&ys);
+        }
+        let gflops = (32 * 2 * n * rows * cols) as f64 / t.elapsed().as_secs_f64() / 1e9;
+        println!(
+            "{isa:?}: decode {gbps:.2} GB/s of weights = {:.1}% of DRAM | prefill (32 tokens) {gflops:.1} GFLOP/s",
+            100.0 * gbps / dram
+        );
+    }
+}
