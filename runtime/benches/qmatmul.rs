@@ -35,7 +35,11 @@ struct Expert {
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let (rows, cols, bits, group) = (768usize, 2048usize, 4u32, 64usize); // a Qwen3-30B-A3B expert gate/up
-    let count = if quick { 64 } else { 192 }; // 64 × 0.88 MB already exceeds the caches
+                                                                          // 192 × 0.88 MB exceeds the private caches; SLUICE_BENCH_MATRICES=2 measures cache-resident compute.
+    let count = std::env::var("SLUICE_BENCH_MATRICES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(if quick { 64 } else { 192 });
     let experts: Vec<Expert> = (0..count)
         .map(|e| Expert {
             packed: (0..rows * cols * bits as usize / 8)
@@ -68,7 +72,7 @@ fn main() {
     for isa in Isa::available() {
         let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.01).sin()).collect();
         let mut y = vec![0f32; rows];
-        let passes = if quick { 2 } else { 5 };
+        let passes = (if quick { 128 } else { 960 }) / count.max(1);
         let t = Instant::now();
         for _ in 0..passes {
             for e in &experts {
@@ -82,11 +86,11 @@ fn main() {
         let xs: Vec<f32> = (0..n * cols).map(|i| (i as f32 * 0.01).sin()).collect();
         let mut ys = vec![0f32; n * rows];
         let t = Instant::now();
-        for e in experts.iter().take(32) {
+        for e in experts.iter().take(32.min(count)) {
             mat(e).matmul(isa, &xs, n, &mut ys);
             black_box(&ys);
         }
-        let gflops = (32 * 2 * n * rows * cols) as f64 / t.elapsed().as_secs_f64() / 1e9;
+        let gflops = (32.min(count) * 2 * n * rows * cols) as f64 / t.elapsed().as_secs_f64() / 1e9;
         println!(
             "{isa:?}: decode {gbps:.2} GB/s of weights = {:.1}% of DRAM | prefill (32 tokens) {gflops:.1} GFLOP/s",
             100.0 * gbps / dram

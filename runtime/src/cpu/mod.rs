@@ -58,8 +58,23 @@ impl FloatType {
 
     /// Converts `out.len()` elements starting at element `start` to f32.
     pub fn to_f32(self, bytes: &[u8], start: usize, out: &mut [f32]) {
-        for (j, o) in out.iter_mut().enumerate() {
-            *o = self.get(bytes, start + j);
+        let src = &bytes[start * self.size()..(start + out.len()) * self.size()];
+        match self {
+            FloatType::F32 => {
+                for (o, b) in out.iter_mut().zip(src.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+            FloatType::F16 => {
+                for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
+                    *o = f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+                }
+            }
+            FloatType::BF16 => {
+                for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
+                    *o = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
+                }
+            }
         }
     }
 }
@@ -253,6 +268,18 @@ impl MatRef<'_> {
             MatRef::Dense(_) => cols,
         };
         let xsum: Vec<f32> = x.chunks(group).map(|c| c.iter().sum()).collect();
+        let fused = self.fused_kernel(isa);
+        let permuted;
+        let xp: &[f32] = match fused {
+            #[cfg(target_arch = "x86_64")]
+            Some((avx512, 4)) => {
+                let mut v = vec![0f32; x.len()];
+                x86::permute_for_q4(x86::q4_chunk(avx512), x, &mut v);
+                permuted = v;
+                &permuted
+            }
+            _ => x,
+        };
         // Results are produced row-major by weight row ([rows, n]) so that threads write disjoint chunks.
         let mut yt = if n == 1 {
             Vec::new()
@@ -262,11 +289,26 @@ impl MatRef<'_> {
         let out: &mut [f32] = if n == 1 { y } else { &mut yt };
         let rows_per_task = (PAR_MIN_ELEMS / cols.max(1))
             .clamp(1, rows.div_ceil(4 * rayon::current_num_threads()).max(1));
+        let ctx = RowCtx {
+            isa,
+            fused,
+            x,
+            xp,
+            xsum: &xsum,
+        };
         let run = |(task, chunk): (usize, &mut [f32])| {
-            let mut codes = vec![0f32; cols];
+            // Scratch: the unpacked row, or (fused kernels) the row's scales and biases as f32.
+            let mut codes = vec![
+                0f32;
+                if fused.is_some() {
+                    2 * cols / group
+                } else {
+                    cols
+                }
+            ];
             let first = task * rows_per_task;
             for (i, out_row) in chunk.chunks_mut(n).enumerate() {
-                self.row_dot(isa, first + i, x, &xsum, n, &mut codes, out_row);
+                self.row_dot(&ctx, first + i, &mut codes, out_row);
             }
         };
         if rows * cols < PAR_MIN_ELEMS {
@@ -285,45 +327,78 @@ impl MatRef<'_> {
         }
     }
 
-    /// One weight row against `n` tokens: `out[t] = W[r] · x[t]`.
-    #[allow(clippy::too_many_arguments)]
+    /// `(avx512, bits)` when a fused in-register kernel covers this matrix on `isa`.
+    fn fused_kernel(&self, isa: Isa) -> Option<(bool, u32)> {
+        match (self, isa) {
+            (MatRef::Quant(q), Isa::Avx2 | Isa::Avx512)
+                if matches!(q.bits, 4 | 8) && q.group % 32 == 0 =>
+            {
+                Some((isa == Isa::Avx512, q.bits))
+            }
+            _ => None,
+        }
+    }
+
+    /// One weight row against every token: `out[t] = W[r] · x[t]`. A token's result never depends on the
+    /// other tokens in the call (prefill equals decode bit for bit).
     #[inline]
-    fn row_dot(
-        &self,
-        isa: Isa,
-        r: usize,
-        x: &[f32],
-        xsum: &[f32],
-        n: usize,
-        codes: &mut [f32],
-        out: &mut [f32],
-    ) {
+    fn row_dot(&self, c: &RowCtx<'_>, r: usize, codes: &mut [f32], out: &mut [f32]) {
         let cols = self.cols();
         match self {
             MatRef::Dense(d) => {
                 d.dtype.to_f32(d.data, r * cols, codes);
-                for t in 0..n {
-                    out[t] = isa.dot(codes, &x[t * cols..(t + 1) * cols]);
+                for (t, o) in out.iter_mut().enumerate() {
+                    *o = c.isa.dot(codes, &c.x[t * cols..(t + 1) * cols]);
                 }
             }
             MatRef::Quant(q) => {
                 let row_bytes = cols * q.bits as usize / 8;
-                isa.unpack(q.bits, &q.packed[r * row_bytes..(r + 1) * row_bytes], codes);
+                let packed = &q.packed[r * row_bytes..(r + 1) * row_bytes];
                 let gpr = cols / q.group;
-                for t in 0..n {
-                    let xt = &x[t * cols..(t + 1) * cols];
+                #[cfg(target_arch = "x86_64")]
+                if let Some((avx512, bits)) = c.fused {
+                    let (scales, biases) = codes.split_at_mut(gpr);
+                    q.scale_type.to_f32(q.scales, r * gpr, scales);
+                    q.scale_type.to_f32(q.biases, r * gpr, biases);
+                    for (t, o) in out.iter_mut().enumerate() {
+                        let args = x86::RowArgs {
+                            packed,
+                            xp: &c.xp[t * cols..(t + 1) * cols],
+                            xsum: &c.xsum[t * gpr..(t + 1) * gpr],
+                            scales,
+                            biases,
+                            group: q.group,
+                        };
+                        *o = x86::fused_row(avx512, bits, &args);
+                    }
+                    return;
+                }
+                c.isa.unpack(q.bits, packed, codes);
+                for (t, o) in out.iter_mut().enumerate() {
+                    let xt = &c.x[t * cols..(t + 1) * cols];
                     let mut acc = 0f32;
                     for g in 0..gpr {
                         let s = q.scale_type.get(q.scales, r * gpr + g);
                         let b = q.scale_type.get(q.biases, r * gpr + g);
                         let span = g * q.group..(g + 1) * q.group;
-                        acc += s * isa.dot(&codes[span.clone()], &xt[span]) + b * xsum[t * gpr + g];
+                        acc += s * c.isa.dot(&codes[span.clone()], &xt[span])
+                            + b * c.xsum[t * gpr + g];
                     }
-                    out[t] = acc;
+                    *o = acc;
                 }
             }
         }
     }
+}
+
+/// Per-call state shared by every row of a matmul.
+struct RowCtx<'a> {
+    isa: Isa,
+    fused: Option<(bool, u32)>,
+    x: &'a [f32],
+    /// `x` in the fused kernel's lane order (`x` itself when no reordering is needed).
+    xp: &'a [f32],
+    xsum: &'a [f32],
 }
 
 #[cfg(test)]
