@@ -14,11 +14,7 @@ impl OwnedBytes {
     /// Wraps a whole buffer.
     pub fn new(owner: Arc<dyn AsRef<[u8]> + Send + Sync>) -> Self {
         let len = (*owner).as_ref().len();
-        Self {
-            owner,
-            start: 0,
-            len,
-        }
+        Self { owner, start: 0, len }
     }
 
     /// Wraps an in-memory vector.

@@ -50,11 +50,10 @@ impl Checkpoint {
                 path: index_path.clone(),
                 source,
             })?;
-            let index: ShardIndex =
-                serde_json::from_str(&text).map_err(|e| StoreError::BadFile {
-                    path: index_path.clone(),
-                    message: e.to_string(),
-                })?;
+            let index: ShardIndex = serde_json::from_str(&text).map_err(|e| StoreError::BadFile {
+                path: index_path.clone(),
+                message: e.to_string(),
+            })?;
             let mut names: Vec<&String> = index.weight_map.values().collect();
             names.sort();
             names.dedup();
@@ -91,8 +90,8 @@ impl Checkpoint {
             message,
         };
         // Validates the header, the offsets and that the file is exactly as long as the header says.
-        let (header_len, meta) = SafeTensors::read_metadata(&map)
-            .map_err(|e| bad(format!("not a valid safetensors file: {e:?}")))?;
+        let (header_len, meta) =
+            SafeTensors::read_metadata(&map).map_err(|e| bad(format!("not a valid safetensors file: {e:?}")))?;
         let data_start = 8 + header_len;
         let whole = OwnedBytes::new(Arc::new(map));
         for (name, info) in meta.tensors() {
@@ -107,10 +106,7 @@ impl Checkpoint {
                 bytes,
             };
             if let Some(prev) = out.insert(name.clone(), t) {
-                return Err(bad(format!(
-                    "tensor `{name}` also appears in {}",
-                    prev.file.display()
-                )));
+                return Err(bad(format!("tensor `{name}` also appears in {}", prev.file.display())));
             }
         }
         Ok(())
@@ -175,10 +171,7 @@ mod tests {
         assert_eq!(&**c.require("y").unwrap().bytes(), &[8, 9, 10]);
         assert!(matches!(c.require("z"), Err(StoreError::MissingTensor(n)) if n == "z"));
 
-        write_st(
-            &d.path().join("b.safetensors"),
-            &[("z", "BF16", vec![1], 2)],
-        );
+        write_st(&d.path().join("b.safetensors"), &[("z", "BF16", vec![1], 2)]);
         std::fs::write(
             d.path().join("model.safetensors.index.json"),
             r#"{"metadata":{},"weight_map":{"x":"a.safetensors","z":"b.safetensors"}}"#,
@@ -203,10 +196,7 @@ mod tests {
         std::fs::write(&p, b"garbage").unwrap();
         assert!(Checkpoint::open(d.path()).is_err());
         std::fs::remove_file(&p).unwrap();
-        assert!(matches!(
-            Checkpoint::open(d.path()),
-            Err(StoreError::NoWeights(_))
-        ));
+        assert!(matches!(Checkpoint::open(d.path()), Err(StoreError::NoWeights(_))));
     }
 
     #[test]

@@ -79,10 +79,7 @@ impl MmapExpertSource {
             layers.insert(l.layer, comps);
             num_experts.insert(l.layer, l.num_experts);
         }
-        Ok(Self {
-            layers,
-            num_experts,
-        })
+        Ok(Self { layers, num_experts })
     }
 }
 
@@ -95,11 +92,7 @@ impl ExpertSource for MmapExpertSource {
         }
         let parts = comps
             .iter()
-            .map(|(whole, stride)| {
-                whole
-                    .slice(expert * stride..(expert + 1) * stride)
-                    .ok_or_else(missing)
-            })
+            .map(|(whole, stride)| whole.slice(expert * stride..(expert + 1) * stride).ok_or_else(missing))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(ExpertRecord { parts })
     }
@@ -139,12 +132,7 @@ mod tests {
 
     /// The same checks against every source: records come back whole, in part order, and out-of-range
     /// requests are errors.
-    fn check_source(
-        src: &dyn ExpertSource,
-        layer: usize,
-        experts: usize,
-        expect: impl Fn(usize) -> Vec<Vec<u8>>,
-    ) {
+    fn check_source(src: &dyn ExpertSource, layer: usize, experts: usize, expect: impl Fn(usize) -> Vec<Vec<u8>>) {
         for e in 0..experts {
             let rec = src.read_expert(layer, e).unwrap();
             let got: Vec<Vec<u8>> = rec.parts.iter().map(|p| p.to_vec()).collect();
@@ -192,22 +180,14 @@ mod tests {
             num_experts: 3,
             tensors: vec!["a".into(), "b".into()],
         };
-        check_source(
-            &MmapExpertSource::new(&ck, &[layout]).unwrap(),
-            2,
-            3,
-            parts_of,
-        );
+        check_source(&MmapExpertSource::new(&ck, &[layout]).unwrap(), 2, 3, parts_of);
 
         let wrong = StackedExperts {
             layer: 0,
             num_experts: 4,
             tensors: vec!["a".into()],
         };
-        let e = MmapExpertSource::new(&ck, &[wrong])
-            .err()
-            .unwrap()
-            .to_string();
+        let e = MmapExpertSource::new(&ck, &[wrong]).err().unwrap().to_string();
         assert!(e.contains("`a`") && e.contains("4 stacked experts"), "{e}");
     }
 }

@@ -14,6 +14,4 @@ mod mmap;
 pub use bytes::OwnedBytes;
 pub use checkpoint::{Checkpoint, Dtype, TensorInfo};
 pub use error::StoreError;
-pub use experts::{
-    ExpertRecord, ExpertSource, InMemoryExpertSource, MmapExpertSource, StackedExperts,
-};
+pub use experts::{ExpertRecord, ExpertSource, InMemoryExpertSource, MmapExpertSource, StackedExperts};

@@ -68,7 +68,10 @@ fn main() {
         "threads: {}   DRAM read probe: {dram:.1} GB/s",
         rayon::current_num_threads()
     );
-    println!("matrix {rows}×{cols}, {bits}-bit g{group}, {:.2} MB each, {count} distinct (cache-cold cycle)", bytes_per as f64 / 1e6);
+    println!(
+        "matrix {rows}×{cols}, {bits}-bit g{group}, {:.2} MB each, {count} distinct (cache-cold cycle)",
+        bytes_per as f64 / 1e6
+    );
     for isa in Isa::available() {
         let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.01).sin()).collect();
         let mut y = vec![0f32; rows];

@@ -38,8 +38,7 @@ impl ModelConfig {
             path: path.to_path_buf(),
             message,
         };
-        let root: Value =
-            serde_json::from_str(text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
+        let root: Value = serde_json::from_str(text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
         let Value::Object(root_map) = &root else {
             return Err(bad("expected a JSON object".into()));
         };
@@ -64,9 +63,7 @@ impl ModelConfig {
             .or_else(|| root.get("model_type").and_then(Value::as_str))
             .ok_or_else(|| bad("missing `model_type`".into()))?
             .to_string();
-        let quant_block = root
-            .get("quantization")
-            .or_else(|| root.get("quantization_config"));
+        let quant_block = root.get("quantization").or_else(|| root.get("quantization_config"));
         let quant = QuantConfig::parse(quant_block).map_err(bad)?;
         Ok(Self {
             path: path.to_path_buf(),
@@ -94,15 +91,16 @@ impl ModelConfig {
 
     /// `eos_token_id` as a list (it may be a single id or a list).
     pub fn eos_token_ids(&self) -> Vec<u32> {
-        match self.text.get("eos_token_id") {
-            Some(Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
-            Some(Value::Array(a)) => a
-                .iter()
-                .filter_map(Value::as_u64)
-                .map(|v| v as u32)
-                .collect(),
-            _ => Vec::new(),
-        }
+        token_ids(self.text.get("eos_token_id"))
+    }
+}
+
+/// A token-id field that may be one id or a list of ids (`eos_token_id` in config and generation config).
+pub fn token_ids(v: Option<&Value>) -> Vec<u32> {
+    match v {
+        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).map(|x| x as u32).collect(),
+        _ => Vec::new(),
     }
 }
 
@@ -179,10 +177,7 @@ mod tests {
         let e = ModelConfig::parse(Path::new("/m/config.json"), "{not json")
             .unwrap_err()
             .to_string();
-        assert!(
-            e.contains("/m/config.json") && e.contains("not valid JSON"),
-            "{e}"
-        );
+        assert!(e.contains("/m/config.json") && e.contains("not valid JSON"), "{e}");
         let e = ModelConfig::parse(Path::new("/m/config.json"), "{}")
             .unwrap_err()
             .to_string();

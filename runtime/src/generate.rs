@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::layers::{DecoderModel, ForwardOptions};
-use crate::models::load_model;
+use crate::models::load_model_with;
 use crate::sampling::{Sampler, SamplingParams};
 use crate::text::{ChatMessage, StopMatcher, StreamDecoder, TextCodec};
 
@@ -94,8 +94,8 @@ impl Pipeline {
     /// Loads the model and tokenizer in `dir`.
     pub fn load(dir: &Path) -> Result<Self> {
         let config = ModelConfig::load(dir)?;
-        let model = load_model(dir)?;
         let codec = TextCodec::load(dir, &config.eos_token_ids())?;
+        let model = load_model_with(dir, config)?;
         Ok(Self { model, codec })
     }
 
@@ -104,9 +104,7 @@ impl Pipeline {
         match prompt {
             Prompt::Raw(text) => self.codec.encode(text, true),
             // The template writes the special tokens itself, as in HF's apply_chat_template.
-            Prompt::Chat(msgs) => self
-                .codec
-                .encode(&self.codec.apply_chat_template(msgs, true)?, false),
+            Prompt::Chat(msgs) => self.codec.encode(&self.codec.apply_chat_template(msgs, true)?, false),
             Prompt::Tokens(t) => Ok(t.clone()),
         }
     }
@@ -119,15 +117,11 @@ impl Pipeline {
         mut on_text: impl FnMut(&str) -> bool,
     ) -> Result<GenerationStats> {
         let ids = self.tokenize(prompt)?;
-        let ctx = params
-            .context_limit
-            .map_or(self.model.info.context_length, |c| {
-                c.min(self.model.info.context_length)
-            });
+        let ctx = params.context_limit.map_or(self.model.info.context_length, |c| {
+            c.min(self.model.info.context_length)
+        });
         if ids.is_empty() {
-            return Err(ModelError::InvalidArgument(
-                "the prompt is empty (no tokens)".into(),
-            ));
+            return Err(ModelError::InvalidArgument("the prompt is empty (no tokens)".into()));
         }
         if ids.len() > ctx {
             return Err(ModelError::Limit(format!(

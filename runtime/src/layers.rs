@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use expert_store::ExpertSource;
 
-use crate::cpu::Isa;
+use crate::cpu::{Isa, MatRef};
 use crate::error::{ModelError, Result};
 use crate::linear::{Linear, WeightFormat};
 use crate::ops::{self, AttnShape, KvCache, LayerKv, Rope};
@@ -144,39 +144,33 @@ impl RouterKind {
 
 /// A routed-experts SwiGLU block whose expert weights come from an [`ExpertSource`].
 pub struct SparseMoe {
-    router: Linear,
-    kind: RouterKind,
-    layer: usize,
-    num_experts: usize,
-    hidden: usize,
-    inter: usize,
-    formats: [WeightFormat; 3],
-    experts: Arc<dyn ExpertSource>,
+    /// Router `[num_experts, hidden]`.
+    pub router: Linear,
+    /// How router logits become weights.
+    pub kind: RouterKind,
+    /// Layer index (the expert store's key).
+    pub layer: usize,
+    /// Experts in this layer.
+    pub num_experts: usize,
+    /// Hidden size.
+    pub hidden: usize,
+    /// Expert intermediate size.
+    pub inter: usize,
+    /// Storage of the gate, up and down projections.
+    pub formats: [WeightFormat; 3],
+    /// Where expert records come from.
+    pub experts: Arc<dyn ExpertSource>,
 }
 
 impl SparseMoe {
-    /// A block for `layer` with router `router` and expert projections stored in `formats`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        router: Linear,
-        kind: RouterKind,
-        layer: usize,
-        num_experts: usize,
-        hidden: usize,
-        inter: usize,
-        formats: [WeightFormat; 3],
-        experts: Arc<dyn ExpertSource>,
-    ) -> Self {
-        Self {
-            router,
-            kind,
-            layer,
-            num_experts,
-            hidden,
-            inter,
-            formats,
-            experts,
-        }
+    /// Gate, up and down views of one expert record's parts.
+    fn expert_views<'a>(&self, parts: &[&'a [u8]]) -> [MatRef<'a>; 3] {
+        let (pg, pu) = (self.formats[0].parts(), self.formats[1].parts());
+        [
+            self.formats[0].view(self.inter, self.hidden, &parts[..pg]),
+            self.formats[1].view(self.inter, self.hidden, &parts[pg..pg + pu]),
+            self.formats[2].view(self.hidden, self.inter, &parts[pg + pu..]),
+        ]
     }
 
     /// Routes each of the `n` tokens of `x` to `k` experts and sums their weighted outputs.
@@ -186,10 +180,8 @@ impl SparseMoe {
     fn forward(&self, isa: Isa, x: &[f32], n: usize, k: usize) -> Result<Vec<f32>> {
         let (h, k) = (self.hidden, k.min(self.num_experts));
         let logits = self.router.forward(isa, x, n);
-        let routes: Vec<(Vec<usize>, Vec<f32>)> = logits
-            .chunks(self.num_experts)
-            .map(|l| self.kind.route(l, k))
-            .collect();
+        let routes: Vec<(Vec<usize>, Vec<f32>)> =
+            logits.chunks(self.num_experts).map(|l| self.kind.route(l, k)).collect();
         let mut per_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); self.num_experts];
         for (t, (ids, _)) in routes.iter().enumerate() {
             for (slot, &e) in ids.iter().enumerate() {
@@ -200,10 +192,7 @@ impl SparseMoe {
         for (e, users) in per_expert.iter().enumerate().filter(|(_, u)| !u.is_empty()) {
             let rec = self.experts.read_expert(self.layer, e)?;
             let parts: Vec<&[u8]> = rec.parts.iter().map(|p| p.as_slice()).collect();
-            let (pg, pu) = (self.formats[0].parts(), self.formats[1].parts());
-            let gate = self.formats[0].view(self.inter, h, &parts[..pg]);
-            let up = self.formats[1].view(self.inter, h, &parts[pg..pg + pu]);
-            let down = self.formats[2].view(h, self.inter, &parts[pg + pu..]);
+            let [gate, up, down] = self.expert_views(&parts);
             let m = users.len();
             let xs: Vec<f32> = users
                 .iter()
@@ -217,18 +206,14 @@ impl SparseMoe {
             let mut y = vec![0f32; m * h];
             down.matmul(isa, &g, m, &mut y);
             for (i, &(t, slot)) in users.iter().enumerate() {
-                slots[(t * k + slot) * h..(t * k + slot + 1) * h]
-                    .copy_from_slice(&y[i * h..(i + 1) * h]);
+                slots[(t * k + slot) * h..(t * k + slot + 1) * h].copy_from_slice(&y[i * h..(i + 1) * h]);
             }
         }
         let mut out = vec![0f32; n * h];
         for (t, (_, w)) in routes.iter().enumerate() {
             let o = &mut out[t * h..(t + 1) * h];
             for (slot, wt) in w.iter().enumerate() {
-                for (acc, v) in o
-                    .iter_mut()
-                    .zip(&slots[(t * k + slot) * h..(t * k + slot + 1) * h])
-                {
+                for (acc, v) in o.iter_mut().zip(&slots[(t * k + slot) * h..(t * k + slot + 1) * h]) {
                     *acc += wt * v;
                 }
             }
@@ -310,17 +295,10 @@ impl DecoderModel {
     }
 
     /// Runs `tokens` after the cached positions; returns logits `[m, vocab]`, m = tokens or 1.
-    pub fn forward(
-        &self,
-        tokens: &[u32],
-        cache: &mut KvCache,
-        opts: &ForwardOptions,
-    ) -> Result<Vec<f32>> {
+    pub fn forward(&self, tokens: &[u32], cache: &mut KvCache, opts: &ForwardOptions) -> Result<Vec<f32>> {
         let (n, h, isa) = (tokens.len(), self.hidden, Isa::detect());
         if n == 0 {
-            return Err(ModelError::InvalidArgument(
-                "forward called with no tokens".into(),
-            ));
+            return Err(ModelError::InvalidArgument("forward called with no tokens".into()));
         }
         if cache.len + n > self.info.context_length {
             return Err(ModelError::Limit(format!(
@@ -344,9 +322,7 @@ impl DecoderModel {
                     self.info.vocab_size
                 )));
             }
-            self.embed
-                .mat()
-                .row(isa, id as usize, &mut x[t * h..(t + 1) * h]);
+            self.embed.mat().row(isa, id as usize, &mut x[t * h..(t + 1) * h]);
         }
         for (layer, kv) in self.layers.iter().zip(cache.layers.iter_mut()) {
             let mut a = x.clone();
@@ -392,26 +368,11 @@ impl SparseMoe {
                 let (pg, pu) = (self.formats[0].parts(), self.formats[1].parts());
                 let mut g = vec![0f32; self.inter];
                 let mut u = vec![0f32; self.inter];
-                reference_matmul(
-                    &self.formats[0].view(self.inter, h, &parts[..pg]),
-                    xt,
-                    1,
-                    &mut g,
-                );
-                reference_matmul(
-                    &self.formats[1].view(self.inter, h, &parts[pg..pg + pu]),
-                    xt,
-                    1,
-                    &mut u,
-                );
+                reference_matmul(&self.formats[0].view(self.inter, h, &parts[..pg]), xt, 1, &mut g);
+                reference_matmul(&self.formats[1].view(self.inter, h, &parts[pg..pg + pu]), xt, 1, &mut u);
                 ops::swiglu(&mut g, &u);
                 let mut y = vec![0f32; h];
-                reference_matmul(
-                    &self.formats[2].view(h, self.inter, &parts[pg + pu..]),
-                    &g,
-                    1,
-                    &mut y,
-                );
+                reference_matmul(&self.formats[2].view(h, self.inter, &parts[pg + pu..]), &g, 1, &mut y);
                 for (o, v) in out[t * h..(t + 1) * h].iter_mut().zip(&y) {
                     *o += wt * v;
                 }
@@ -431,16 +392,8 @@ mod tests {
     use crate::cpu::FloatType;
 
     /// A random affine-quantized `[rows, cols]` matrix as (weight, scales, biases) bytes.
-    fn random_quant(
-        rng: &mut impl Rng,
-        bits: u32,
-        group: usize,
-        rows: usize,
-        cols: usize,
-    ) -> Vec<Vec<u8>> {
-        let codes: Vec<u32> = (0..rows * cols)
-            .map(|_| rng.gen_range(0..1u32 << bits))
-            .collect();
+    fn random_quant(rng: &mut impl Rng, bits: u32, group: usize, rows: usize, cols: usize) -> Vec<Vec<u8>> {
+        let codes: Vec<u32> = (0..rows * cols).map(|_| rng.gen_range(0..1u32 << bits)).collect();
         let g = rows * cols / group;
         let s: Vec<f32> = (0..g).map(|_| rng.gen_range(-0.05f32..0.05)).collect();
         let b: Vec<f32> = (0..g).map(|_| rng.gen_range(-0.3f32..0.3)).collect();
@@ -477,7 +430,16 @@ mod tests {
             group,
             scale_type: FloatType::BF16,
         };
-        SparseMoe::new(router, kind, 3, experts, h, inter, [f; 3], Arc::new(src))
+        SparseMoe {
+            router,
+            kind,
+            layer: 3,
+            num_experts: experts,
+            hidden: h,
+            inter,
+            formats: [f; 3],
+            experts: Arc::new(src),
+        }
     }
 
     #[test]
@@ -501,9 +463,7 @@ mod tests {
                 }
                 // Batched equals token-by-token bit for bit.
                 for t in 0..n {
-                    let one = m
-                        .forward(Isa::detect(), &x[t * 64..(t + 1) * 64], 1, k)
-                        .unwrap();
+                    let one = m.forward(Isa::detect(), &x[t * 64..(t + 1) * 64], 1, k).unwrap();
                     assert_eq!(one, fast[t * 64..(t + 1) * 64]);
                 }
             }
@@ -530,9 +490,6 @@ mod tests {
         let mut m = moe(RouterKind::TopKSoftmax, 5);
         m.experts = Arc::new(InMemoryExpertSource::new());
         let e = m.forward(Isa::detect(), &[0.1; 64], 1, 2).unwrap_err();
-        assert!(
-            e.to_string().contains("no expert record for layer 3"),
-            "{e}"
-        );
+        assert!(e.to_string().contains("no expert record for layer 3"), "{e}");
     }
 }

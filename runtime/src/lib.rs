@@ -16,6 +16,6 @@ pub mod weights;
 pub use error::{ModelError, Result};
 pub use generate::{FinishReason, GenerateParams, GenerationStats, Pipeline, Prompt};
 pub use layers::{DecoderModel, ForwardOptions, ModelInfo, RouterKind};
-pub use models::{load_model, supported_model_types};
+pub use models::{load_model, load_model_with, supported_model_types};
 pub use sampling::SamplingParams;
 pub use text::{ChatMessage, TextCodec};

@@ -60,19 +60,10 @@ pub struct Rope {
 
 impl Rope {
     /// Builds the frequency table for `dims` rotated dims, `theta`, and optional HF-style scaling.
-    pub fn new(
-        dims: usize,
-        theta: f64,
-        traditional: bool,
-        scaling: Option<&RopeScaling>,
-    ) -> Result<Self> {
+    pub fn new(dims: usize, theta: f64, traditional: bool, scaling: Option<&RopeScaling>) -> Result<Self> {
         let half = dims / 2;
-        let base: Vec<f64> = (0..half)
-            .map(|i| theta.powf(-2.0 * i as f64 / dims as f64))
-            .collect();
-        let kind = scaling
-            .and_then(|s| s.rope_type.as_deref())
-            .unwrap_or("default");
+        let base: Vec<f64> = (0..half).map(|i| theta.powf(-2.0 * i as f64 / dims as f64)).collect();
+        let kind = scaling.and_then(|s| s.rope_type.as_deref()).unwrap_or("default");
         let factor = scaling.and_then(|s| s.factor).unwrap_or(1.0);
         let (inv_freq, mscale) = match kind {
             "default" | "mrope" => (base, 1.0),
@@ -81,20 +72,14 @@ impl Rope {
                 let s = scaling.expect("kind came from scaling");
                 let orig = s.original_max_position_embeddings.unwrap_or(4096.0);
                 let (bf, bs) = (s.beta_fast.unwrap_or(32.0), s.beta_slow.unwrap_or(1.0));
-                let corr = |beta: f64| {
-                    dims as f64 * (orig / (beta * 2.0 * std::f64::consts::PI)).ln()
-                        / (2.0 * theta.ln())
-                };
+                let corr =
+                    |beta: f64| dims as f64 * (orig / (beta * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln());
                 let (mut low, mut high) = (corr(bf), corr(bs));
                 if s.truncate.unwrap_or(true) {
                     (low, high) = (low.floor(), high.ceil());
                 }
                 let (low, high) = (low.max(0.0), high.min(dims as f64 - 1.0));
-                let span = if high == low {
-                    high - low + 0.001
-                } else {
-                    high - low
-                };
+                let span = if high == low { high - low + 0.001 } else { high - low };
                 let inv = base
                     .iter()
                     .enumerate()
@@ -200,17 +185,21 @@ pub struct AttnShape {
     pub head_dim: usize,
 }
 
+impl AttnShape {
+    /// From HF config fields: `num_key_value_heads` defaults to the query heads, `head_dim` to
+    /// `hidden_size / num_attention_heads`.
+    pub fn from_config(hidden: usize, heads: usize, kv_heads: Option<usize>, head_dim: Option<usize>) -> Self {
+        Self {
+            heads,
+            kv_heads: kv_heads.unwrap_or(heads),
+            head_dim: head_dim.unwrap_or(hidden / heads.max(1)),
+        }
+    }
+}
+
 /// Causal GQA for `n` new tokens at positions `pos0..pos0+n`: appends `k`, `v` (`[n, kv_heads·head_dim]`)
 /// to the cache and returns `[n, heads·head_dim]`.
-pub fn attention(
-    isa: Isa,
-    s: AttnShape,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    n: usize,
-    cache: &mut LayerKv,
-) -> Vec<f32> {
+pub fn attention(isa: Isa, s: AttnShape, q: &[f32], k: &[f32], v: &[f32], n: usize, cache: &mut LayerKv) -> Vec<f32> {
     cache.k.extend_from_slice(k);
     cache.v.extend_from_slice(v);
     let (hd, kvw) = (s.head_dim, s.kv_heads * s.head_dim);

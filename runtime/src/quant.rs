@@ -122,16 +122,11 @@ impl QuantConfig {
     }
 }
 
-fn spec_from(
-    m: &serde_json::Map<String, Value>,
-    mode: QuantMode,
-    at: &str,
-) -> Result<QuantSpec, String> {
+fn spec_from(m: &serde_json::Map<String, Value>, mode: QuantMode, at: &str) -> Result<QuantSpec, String> {
     let bits = match m.get("bits") {
         Some(v) => v
             .as_u64()
-            .ok_or_else(|| format!("`{at}.bits` must be an integer, got {v}"))?
-            as u32,
+            .ok_or_else(|| format!("`{at}.bits` must be an integer, got {v}"))? as u32,
         None => match mode {
             QuantMode::Mxfp8 => 8,
             _ => 4,
@@ -141,14 +136,9 @@ fn spec_from(
         None | Some(Value::Null) => mode.default_group(),
         Some(v) => v
             .as_u64()
-            .ok_or_else(|| format!("`{at}.group_size` must be an integer, got {v}"))?
-            as usize,
+            .ok_or_else(|| format!("`{at}.group_size` must be an integer, got {v}"))? as usize,
     };
-    Ok(QuantSpec {
-        bits,
-        group_size,
-        mode,
-    })
+    Ok(QuantSpec { bits, group_size, mode })
 }
 
 #[cfg(test)]

@@ -63,9 +63,7 @@ impl SamplingParams {
                 self.repetition_penalty
             ));
         }
-        if !(-2.0..=2.0).contains(&self.frequency_penalty)
-            || !(-2.0..=2.0).contains(&self.presence_penalty)
-        {
+        if !(-2.0..=2.0).contains(&self.frequency_penalty) || !(-2.0..=2.0).contains(&self.presence_penalty) {
             return bad("frequency_penalty and presence_penalty must be in [-2, 2]".into());
         }
         Ok(())
@@ -190,10 +188,7 @@ mod tests {
     #[test]
     fn greedy_takes_argmax_and_penalty_can_change_it() {
         let logits = [1.0, 3.0, 2.9];
-        assert_eq!(
-            sampler(SamplingParams::default()).sample(&logits, &[], &[]),
-            1
-        );
+        assert_eq!(sampler(SamplingParams::default()).sample(&logits, &[], &[]), 1);
         let p = SamplingParams {
             repetition_penalty: 1.5,
             ..Default::default()
@@ -249,9 +244,7 @@ mod tests {
         };
         assert_eq!(a, b);
         let mut s = sampler(p);
-        let ones = (0..4000)
-            .filter(|_| s.sample(&logits, &[], &[]) == 1)
-            .count();
+        let ones = (0..4000).filter(|_| s.sample(&logits, &[], &[]) == 1).count();
         assert!((2800..3200).contains(&ones), "{ones}");
     }
 

@@ -6,6 +6,7 @@ use minijinja::{Environment, Error as JinjaError, ErrorKind, Value as JValue};
 use serde::Serialize;
 use serde_json::Value;
 
+use crate::config::token_ids;
 use crate::error::{ModelError, Result};
 
 /// One chat message.
@@ -48,12 +49,10 @@ fn read_json(path: &Path) -> Result<Option<Value>> {
         path: path.into(),
         source,
     })?;
-    serde_json::from_str(&text)
-        .map(Some)
-        .map_err(|e| ModelError::Config {
-            path: path.into(),
-            message: format!("not valid JSON: {e}"),
-        })
+    serde_json::from_str(&text).map(Some).map_err(|e| ModelError::Config {
+        path: path.into(),
+        message: format!("not valid JSON: {e}"),
+    })
 }
 
 /// A special-token entry: `"<s>"` or `{"content": "<s>", ...}`.
@@ -65,39 +64,19 @@ fn token_string(v: Option<&Value>) -> Option<String> {
     }
 }
 
-fn ids_of(v: Option<&Value>) -> Vec<u32> {
-    match v {
-        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a
-            .iter()
-            .filter_map(Value::as_u64)
-            .map(|x| x as u32)
-            .collect(),
-        _ => Vec::new(),
-    }
-}
-
 impl TextCodec {
     /// Loads `tokenizer.json`, `tokenizer_config.json` / `chat_template.jinja` and `generation_config.json`
     /// from `dir`; `config_eos` are the `eos_token_id`s of config.json.
     pub fn load(dir: &Path, config_eos: &[u32]) -> Result<Self> {
         let tpath: PathBuf = dir.join("tokenizer.json");
         if !tpath.exists() {
-            return Err(ModelError::Tokenizer(format!(
-                "{}: not found",
-                tpath.display()
-            )));
+            return Err(ModelError::Tokenizer(format!("{}: not found", tpath.display())));
         }
         let tok = tokenizers::Tokenizer::from_file(&tpath).map_err(|e| tok_err(&tpath, e))?;
         let tc = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
         let jinja = dir.join("chat_template.jinja");
         let chat_template = if jinja.exists() {
-            Some(
-                std::fs::read_to_string(&jinja).map_err(|source| ModelError::Io {
-                    path: jinja,
-                    source,
-                })?,
-            )
+            Some(std::fs::read_to_string(&jinja).map_err(|source| ModelError::Io { path: jinja, source })?)
         } else {
             match tc.get("chat_template") {
                 Some(Value::String(s)) => Some(s.clone()),
@@ -115,7 +94,7 @@ impl TextCodec {
         let eos_token = token_string(tc.get("eos_token"));
         let mut eos_ids = config_eos.to_vec();
         if let Some(gc) = read_json(&dir.join("generation_config.json"))? {
-            eos_ids.extend(ids_of(gc.get("eos_token_id")));
+            eos_ids.extend(token_ids(gc.get("eos_token_id")));
         }
         if let Some(id) = eos_token.as_deref().and_then(|t| tok.token_to_id(t)) {
             eos_ids.push(id);
@@ -158,28 +137,20 @@ impl TextCodec {
     }
 
     /// Renders `messages` with the model's chat template (as Hugging Face's `apply_chat_template` does).
-    pub fn apply_chat_template(
-        &self,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-    ) -> Result<String> {
-        let template = self.chat_template.as_deref().ok_or_else(|| {
-            ModelError::Tokenizer("this model has no chat template; use a raw prompt".into())
-        })?;
+    pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        let template = self
+            .chat_template
+            .as_deref()
+            .ok_or_else(|| ModelError::Tokenizer("this model has no chat template; use a raw prompt".into()))?;
         let mut env = Environment::new();
         // Hugging Face renders with trim_blocks and lstrip_blocks, and Python string methods in templates.
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> Result<JValue, JinjaError> {
-                Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
-            },
-        );
-        env.add_function("strftime_now", |fmt: String| -> String {
-            strftime_now(&fmt)
+        env.add_function("raise_exception", |msg: String| -> Result<JValue, JinjaError> {
+            Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
         });
+        env.add_function("strftime_now", |fmt: String| -> String { strftime_now(&fmt) });
         // HF's tojson does not HTML-escape (minijinja's does); tool schemas rely on that.
         env.add_filter(
             "tojson",
@@ -192,9 +163,8 @@ impl TextCodec {
                         let ind = vec![b' '; n];
                         let fmt = serde_json::ser::PrettyFormatter::with_indent(&ind);
                         let mut ser = serde_json::Serializer::with_formatter(&mut buf, fmt);
-                        j.serialize(&mut ser).map_err(|e| {
-                            JinjaError::new(ErrorKind::InvalidOperation, e.to_string())
-                        })?;
+                        j.serialize(&mut ser)
+                            .map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, e.to_string()))?;
                         String::from_utf8_lossy(&buf).into_owned()
                     }
                     None => j.to_string(),
@@ -320,11 +290,7 @@ impl StopMatcher {
     /// dropped, the stop string itself is not emitted).
     pub fn push(&mut self, chunk: &str) -> (String, bool) {
         self.held.push_str(chunk);
-        let first = self
-            .stops
-            .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
-            .min();
+        let first = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min();
         if let Some(at) = first {
             let out = self.held[..at].to_string();
             self.held.clear();

@@ -46,11 +46,7 @@ impl Weights {
         } else {
             ""
         };
-        Ok(Self {
-            ckpt,
-            config,
-            prefix,
-        })
+        Ok(Self { ckpt, config, prefix })
     }
 
     /// The parsed config.
@@ -81,13 +77,10 @@ impl Weights {
     pub fn vector(&self, path: &str, len: usize) -> Result<Vec<f32>> {
         let name = self.name(path);
         let t = self.tensor(path)?;
-        let ft = float_type(t.dtype)
-            .ok_or_else(|| bad(&name, format!("expected a float tensor, got {:?}", t.dtype)))?;
+        let ft =
+            float_type(t.dtype).ok_or_else(|| bad(&name, format!("expected a float tensor, got {:?}", t.dtype)))?;
         if t.shape != [len] {
-            return Err(bad(
-                &name,
-                format!("expected shape [{len}], got {:?}", t.shape),
-            ));
+            return Err(bad(&name, format!("expected shape [{len}], got {:?}", t.shape)));
         }
         let mut out = vec![0f32; len];
         ft.to_f32(t.bytes(), 0, &mut out);
@@ -96,18 +89,11 @@ impl Weights {
 
     /// The storage format of module `module` (its `.weight`, and `.scales`/`.biases` when quantized), checking
     /// every tensor's dtype and shape: `lead` leading dims (e.g. `[num_experts]`), then `[rows, cols]`.
-    fn format_of(
-        &self,
-        module: &str,
-        lead: &[usize],
-        rows: usize,
-        cols: usize,
-    ) -> Result<(WeightFormat, Vec<String>)> {
+    fn format_of(&self, module: &str, lead: &[usize], rows: usize, cols: usize) -> Result<(WeightFormat, Vec<String>)> {
         let wname = self.name(&format!("{module}.weight"));
         let w = self.tensor(&format!("{module}.weight"))?;
         let scales = format!("{module}.scales");
-        let shape_of =
-            |tail: &[usize]| -> Vec<usize> { lead.iter().chain(tail).copied().collect() };
+        let shape_of = |tail: &[usize]| -> Vec<usize> { lead.iter().chain(tail).copied().collect() };
         if !self.has(&scales) {
             let ft = float_type(w.dtype).ok_or_else(|| {
                 bad(
@@ -122,22 +108,21 @@ impl Weights {
             if w.shape != want {
                 return Err(bad(
                     &wname,
-                    format!(
-                        "expected shape {want:?} from config.json, got {:?}",
-                        w.shape
-                    ),
+                    format!("expected shape {want:?} from config.json, got {:?}", w.shape),
                 ));
             }
             return Ok((WeightFormat::Dense(ft), vec![wname]));
         }
         let alt = format!("{}{module}", self.prefix);
-        let spec = self.config.quant.spec_for(module, Some(&alt)).ok_or_else(|| {
-            ModelError::UnsupportedQuant {
+        let spec = self
+            .config
+            .quant
+            .spec_for(module, Some(&alt))
+            .ok_or_else(|| ModelError::UnsupportedQuant {
                 path: module.to_string(),
                 message: "config.json says it is not quantized (or has no `quantization` block) but `.scales` exists"
                     .into(),
-            }
-        })?;
+            })?;
         if spec.mode != QuantMode::Affine {
             return Err(ModelError::UnsupportedQuant {
                 path: module.to_string(),
@@ -145,10 +130,7 @@ impl Weights {
             });
         }
         let (bits, group) = (spec.bits, spec.group_size);
-        if !matches!(bits, 2 | 3 | 4 | 5 | 6 | 8)
-            || group == 0
-            || !(group * bits as usize).is_multiple_of(32)
-        {
+        if !matches!(bits, 2 | 3 | 4 | 5 | 6 | 8) || group == 0 || !(group * bits as usize).is_multiple_of(32) {
             return Err(ModelError::UnsupportedQuant {
                 path: module.to_string(),
                 message: format!("{bits}-bit codes in groups of {group} are not supported"),
@@ -161,22 +143,22 @@ impl Weights {
             ));
         }
         if w.dtype != Dtype::U32 {
-            return Err(bad(
-                &wname,
-                format!("quantized weight must be U32, got {:?}", w.dtype),
-            ));
+            return Err(bad(&wname, format!("quantized weight must be U32, got {:?}", w.dtype)));
         }
         let want = shape_of(&[rows, cols * bits as usize / 32]);
         if w.shape != want {
             return Err(bad(
                 &wname,
-                format!("expected shape {want:?} ({bits}-bit, {rows}×{cols} from config.json), got {:?}", w.shape),
+                format!(
+                    "expected shape {want:?} ({bits}-bit, {rows}×{cols} from config.json), got {:?}",
+                    w.shape
+                ),
             ));
         }
         let sname = self.name(&scales);
         let s = self.tensor(&scales)?;
-        let scale_type = float_type(s.dtype)
-            .ok_or_else(|| bad(&sname, format!("scales must be float, got {:?}", s.dtype)))?;
+        let scale_type =
+            float_type(s.dtype).ok_or_else(|| bad(&sname, format!("scales must be float, got {:?}", s.dtype)))?;
         let mut names = vec![wname];
         for part in ["scales", "biases"] {
             let pname = self.name(&format!("{module}.{part}"));
@@ -238,8 +220,7 @@ impl Weights {
         .iter()
         .enumerate()
         {
-            let (f, names) =
-                self.format_of(&format!("{module}.{proj}"), &[num_experts], *rows, *cols)?;
+            let (f, names) = self.format_of(&format!("{module}.{proj}"), &[num_experts], *rows, *cols)?;
             formats[i] = f;
             tensors.extend(names);
         }

@@ -6,6 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
+use sluice_runtime::sampling::argmax;
 use sluice_runtime::{load_model, ForwardOptions};
 
 #[derive(serde::Deserialize)]
@@ -25,11 +26,7 @@ pub fn fixtures() -> Vec<PathBuf> {
         .filter(|p| p.join("golden.json").exists())
         .collect();
     v.sort();
-    assert!(
-        v.len() >= 16,
-        "expected the committed fixtures, found {}",
-        v.len()
-    );
+    assert!(v.len() >= 16, "expected the committed fixtures, found {}", v.len());
     v
 }
 
@@ -42,23 +39,10 @@ fn assert_close(what: &str, got: &[f32], want: &[f32]) -> f32 {
     let mut worst = 0f32;
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         let err = (g - w).abs();
-        assert!(
-            err <= 1e-3 + 1e-3 * w.abs(),
-            "{what}[{i}]: ours {g} vs mlx-lm {w}"
-        );
+        assert!(err <= 1e-3 + 1e-3 * w.abs(), "{what}[{i}]: ours {g} vs mlx-lm {w}");
         worst = worst.max(err);
     }
     worst
-}
-
-fn argmax(x: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, v) in x.iter().enumerate() {
-        if *v > x[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 #[test]
@@ -139,15 +123,11 @@ fn decode_step_equals_prefill_position_bit_for_bit() {
         let m = load_model(&dir).unwrap();
         let n = g.prompt_ids.len();
         let mut c1 = m.new_cache();
-        let batched = m
-            .forward(&g.prompt_ids, &mut c1, &ForwardOptions::default())
-            .unwrap();
+        let batched = m.forward(&g.prompt_ids, &mut c1, &ForwardOptions::default()).unwrap();
         let mut c2 = m.new_cache();
         let mut last = Vec::new();
         for t in &g.prompt_ids {
-            last = m
-                .forward(&[*t], &mut c2, &ForwardOptions::default())
-                .unwrap();
+            last = m.forward(&[*t], &mut c2, &ForwardOptions::default()).unwrap();
         }
         assert_eq!(c2.len, n);
         assert_eq!(batched, last, "{}", dir.display());

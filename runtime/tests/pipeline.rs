@@ -20,20 +20,14 @@ struct Msg {
 }
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../fixtures")
-        .join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures").join(name)
 }
 
 fn golden(dir: &Path) -> Golden {
     serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap()
 }
 
-fn run(
-    p: &Pipeline,
-    prompt: &Prompt,
-    params: &GenerateParams,
-) -> (String, sluice_runtime::GenerationStats) {
+fn run(p: &Pipeline, prompt: &Prompt, params: &GenerateParams) -> (String, sluice_runtime::GenerationStats) {
     let mut text = String::new();
     let stats = p
         .generate(prompt, params, |t| {
@@ -62,16 +56,8 @@ fn tokenizer_and_chat_template_match_hugging_face() {
             g.prompt_ids,
             "{name}"
         );
-        let msgs: Vec<ChatMessage> = g
-            .chat
-            .iter()
-            .map(|m| ChatMessage::new(&m.role, &m.content))
-            .collect();
-        assert_eq!(
-            p.tokenize(&Prompt::Chat(msgs)).unwrap(),
-            g.chat_ids,
-            "{name}"
-        );
+        let msgs: Vec<ChatMessage> = g.chat.iter().map(|m| ChatMessage::new(&m.role, &m.content)).collect();
+        assert_eq!(p.tokenize(&Prompt::Chat(msgs)).unwrap(), g.chat_ids, "{name}");
     }
 }
 
@@ -235,17 +221,11 @@ fn expert_top_k_out_of_range_and_empty_prompt_are_errors() {
         assert!(e.contains("top-k") && e.contains("4 experts"), "{e}");
     }
     let e = p
-        .generate(&Prompt::Tokens(vec![]), &GenerateParams::default(), |_| {
-            true
-        })
+        .generate(&Prompt::Tokens(vec![]), &GenerateParams::default(), |_| true)
         .unwrap_err();
     assert!(e.to_string().contains("empty"), "{e}");
     let e = p
-        .generate(
-            &Prompt::Tokens(vec![9999]),
-            &GenerateParams::default(),
-            |_| true,
-        )
+        .generate(&Prompt::Tokens(vec![9999]), &GenerateParams::default(), |_| true)
         .unwrap_err();
     assert!(e.to_string().contains("outside the vocabulary"), "{e}");
 }

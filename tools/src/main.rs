@@ -6,9 +6,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use sluice_runtime::{
-    ChatMessage, GenerateParams, GenerationStats, Pipeline, Prompt, SamplingParams,
-};
+use sluice_runtime::{ChatMessage, GenerateParams, GenerationStats, Pipeline, Prompt, SamplingParams};
 
 #[derive(Parser)]
 #[command(
@@ -33,12 +31,7 @@ struct GenerateArgs {
     #[arg(short = 'm', long, env = "SLUICE_MODEL")]
     model: PathBuf,
     /// Raw prompt text, tokenized as is (no chat template).
-    #[arg(
-        short = 'p',
-        long,
-        conflicts_with = "chat",
-        required_unless_present = "chat"
-    )]
+    #[arg(short = 'p', long, conflicts_with = "chat", required_unless_present = "chat")]
     prompt: Option<String>,
     /// A user message, wrapped in the model's chat template.
     #[arg(long)]
@@ -90,9 +83,7 @@ struct GenerateArgs {
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .init();
     match Cli::parse().command {
         Command::Generate(args) => generate(args),
@@ -128,8 +119,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     };
     // Cheap checks before a load that may take minutes.
     params.sampling.validate()?;
-    let pipeline = Pipeline::load(&a.model)
-        .with_context(|| format!("loading the model in {}", a.model.display()))?;
+    let pipeline = Pipeline::load(&a.model).with_context(|| format!("loading the model in {}", a.model.display()))?;
     let prompt = match (&a.prompt, &a.chat) {
         (Some(p), _) => Prompt::Raw(p.clone()),
         (None, Some(c)) => {
@@ -188,9 +178,5 @@ fn peak_rss() -> Option<u64> {
     let usage = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_SELF).ok()?;
     let max = usage.max_rss() as u64;
     // Linux reports KiB, macOS bytes.
-    Some(if cfg!(target_os = "macos") {
-        max
-    } else {
-        max * 1024
-    })
+    Some(if cfg!(target_os = "macos") { max } else { max * 1024 })
 }

@@ -6,16 +6,11 @@ use std::process::{Command, Output};
 use sluice_runtime::{GenerateParams, Pipeline, Prompt};
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../fixtures")
-        .join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures").join(name)
 }
 
 fn sluice(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(args)
-        .output()
-        .unwrap()
+    Command::new(env!("CARGO_BIN_EXE_sluice")).args(args).output().unwrap()
 }
 
 fn text(b: &[u8]) -> String {
@@ -34,31 +29,20 @@ fn copy_fixture(name: &str) -> tempfile::TempDir {
 
 fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
     let p = dir.join("config.json");
-    let mut v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
     f(&mut v);
     std::fs::write(p, v.to_string()).unwrap();
 }
 
 /// Runs generate on `dir` and returns stderr, asserting a clean failure.
 fn fails(dir: &Path, extra: &[&str]) -> String {
-    let mut args = vec![
-        "generate",
-        "--model",
-        dir.to_str().unwrap(),
-        "--prompt",
-        "hello",
-    ];
+    let mut args = vec!["generate", "--model", dir.to_str().unwrap(), "--prompt", "hello"];
     args.extend_from_slice(extra);
     let out = sluice(&args);
     let err = text(&out.stderr);
     assert!(!out.status.success(), "expected failure, stderr: {err}");
     assert!(!err.contains("panicked"), "panic: {err}");
-    assert!(
-        out.stdout.is_empty(),
-        "no text on failure: {}",
-        text(&out.stdout)
-    );
+    assert!(out.stdout.is_empty(), "no text on failure: {}", text(&out.stdout));
     err
 }
 
@@ -93,10 +77,7 @@ fn generate_prints_the_same_text_as_the_library_and_one_summary_line() {
     let err = text(&out.stderr);
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(
-        err.contains("prompt: ")
-            && err.contains("tok/s")
-            && err.contains("generated: ")
-            && err.contains("peak RSS"),
+        err.contains("prompt: ") && err.contains("tok/s") && err.contains("generated: ") && err.contains("peak RSS"),
         "{err}"
     );
 }
@@ -149,10 +130,7 @@ fn garbled_config_is_named() {
     let d = copy_fixture("qwen3_moe-q4g64");
     std::fs::write(d.path().join("config.json"), "{ this is not json").unwrap();
     let err = fails(d.path(), &[]);
-    assert!(
-        err.contains("config.json") && err.contains("not valid JSON"),
-        "{err}"
-    );
+    assert!(err.contains("config.json") && err.contains("not valid JSON"), "{err}");
     std::fs::remove_file(d.path().join("config.json")).unwrap();
     assert!(fails(d.path(), &[]).contains("config.json"));
 }
@@ -164,10 +142,7 @@ fn missing_config_field_is_named() {
         v.as_object_mut().unwrap().remove("num_experts");
     });
     let err = fails(d.path(), &[]);
-    assert!(
-        err.contains("config.json") && err.contains("num_experts"),
-        "{err}"
-    );
+    assert!(err.contains("config.json") && err.contains("num_experts"), "{err}");
 }
 
 #[test]
@@ -189,10 +164,7 @@ fn unknown_quantization_mode_is_named() {
     assert!(err.contains("unknown quantization mode `q4_k`"), "{err}");
     edit_config(d.path(), |v| v["quantization"]["mode"] = "mxfp4".into());
     let err = fails(d.path(), &[]);
-    assert!(
-        err.contains("Mxfp4") && err.contains("not implemented"),
-        "{err}"
-    );
+    assert!(err.contains("Mxfp4") && err.contains("not implemented"), "{err}");
 }
 
 #[test]
@@ -207,10 +179,7 @@ fn tensor_shape_contradicting_the_config_is_named() {
     let d = copy_fixture("qwen3_moe-q4g64");
     edit_config(d.path(), |v| v["quantization"]["bits"] = 8.into());
     let err = fails(d.path(), &[]);
-    assert!(
-        err.contains("tensor `model.") && err.contains("8-bit"),
-        "{err}"
-    );
+    assert!(err.contains("tensor `model.") && err.contains("8-bit"), "{err}");
 }
 
 #[test]
@@ -226,9 +195,7 @@ fn tensor_dtype_contradicting_the_config_is_named() {
     std::fs::write(&p, bytes).unwrap();
     let err = fails(d.path(), &[]);
     assert!(
-        err.contains("tensor `")
-            && err.contains(".weight`")
-            && err.contains("must be U32, got I32"),
+        err.contains("tensor `") && err.contains(".weight`") && err.contains("must be U32, got I32"),
         "{err}"
     );
 }
@@ -286,9 +253,7 @@ fn bad_flags_are_rejected() {
     ] {
         let err = fails(&dir, extra);
         assert!(
-            err.to_lowercase().contains("top")
-                || err.contains("temperature")
-                || err.contains("threads"),
+            err.to_lowercase().contains("top") || err.contains("temperature") || err.contains("threads"),
             "{err}"
         );
     }

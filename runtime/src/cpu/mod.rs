@@ -47,12 +47,8 @@ impl FloatType {
                 let b = &bytes[i * 4..i * 4 + 4];
                 f32::from_le_bytes([b[0], b[1], b[2], b[3]])
             }
-            FloatType::F16 => {
-                f16::from_bits(u16::from_le_bytes([bytes[i * 2], bytes[i * 2 + 1]])).to_f32()
-            }
-            FloatType::BF16 => {
-                bf16::from_bits(u16::from_le_bytes([bytes[i * 2], bytes[i * 2 + 1]])).to_f32()
-            }
+            FloatType::F16 => f16::from_bits(u16::from_le_bytes([bytes[i * 2], bytes[i * 2 + 1]])).to_f32(),
+            FloatType::BF16 => bf16::from_bits(u16::from_le_bytes([bytes[i * 2], bytes[i * 2 + 1]])).to_f32(),
         }
     }
 
@@ -143,20 +139,12 @@ impl Isa {
         static BEST: OnceLock<Isa> = OnceLock::new();
         *BEST.get_or_init(|| {
             let all = Isa::available();
-            let wanted = std::env::var("SLUICE_ISA")
-                .ok()
-                .map(|s| s.to_ascii_lowercase());
+            let wanted = std::env::var("SLUICE_ISA").ok().map(|s| s.to_ascii_lowercase());
             if let Some(w) = wanted {
-                if let Some(i) = all
-                    .iter()
-                    .find(|i| format!("{i:?}").to_ascii_lowercase() == w)
-                {
+                if let Some(i) = all.iter().find(|i| format!("{i:?}").to_ascii_lowercase() == w) {
                     return *i;
                 }
-                tracing::warn!(
-                    "SLUICE_ISA={w} is not available on this CPU; using {:?}",
-                    all[0]
-                );
+                tracing::warn!("SLUICE_ISA={w} is not available on this CPU; using {:?}", all[0]);
             }
             all[0]
         })
@@ -207,9 +195,7 @@ impl Isa {
     pub fn unpack(self, bits: u32, packed: &[u8], out: &mut [f32]) {
         match self {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 | Isa::Avx512 if matches!(bits, 2 | 4 | 8) => {
-                x86::unpack_avx2(bits, packed, out)
-            }
+            Isa::Avx2 | Isa::Avx512 if matches!(bits, 2 | 4 | 8) => x86::unpack_avx2(bits, packed, out),
             _ => scalar::unpack(bits, packed, out),
         }
     }
@@ -269,6 +255,7 @@ impl MatRef<'_> {
         };
         let xsum: Vec<f32> = x.chunks(group).map(|c| c.iter().sum()).collect();
         let fused = self.fused_kernel(isa);
+        #[cfg(target_arch = "x86_64")]
         let permuted;
         let xp: &[f32] = match fused {
             #[cfg(target_arch = "x86_64")]
@@ -281,14 +268,10 @@ impl MatRef<'_> {
             _ => x,
         };
         // Results are produced row-major by weight row ([rows, n]) so that threads write disjoint chunks.
-        let mut yt = if n == 1 {
-            Vec::new()
-        } else {
-            vec![0f32; rows * n]
-        };
+        let mut yt = if n == 1 { Vec::new() } else { vec![0f32; rows * n] };
         let out: &mut [f32] = if n == 1 { y } else { &mut yt };
-        let rows_per_task = (PAR_MIN_ELEMS / cols.max(1))
-            .clamp(1, rows.div_ceil(4 * rayon::current_num_threads()).max(1));
+        let rows_per_task =
+            (PAR_MIN_ELEMS / cols.max(1)).clamp(1, rows.div_ceil(4 * rayon::current_num_threads()).max(1));
         let ctx = RowCtx {
             isa,
             fused,
@@ -298,14 +281,7 @@ impl MatRef<'_> {
         };
         let run = |(task, chunk): (usize, &mut [f32])| {
             // Scratch: the unpacked row, or (fused kernels) the row's scales and biases as f32.
-            let mut codes = vec![
-                0f32;
-                if fused.is_some() {
-                    2 * cols / group
-                } else {
-                    cols
-                }
-            ];
+            let mut codes = vec![0f32; if fused.is_some() { 2 * cols / group } else { cols }];
             let first = task * rows_per_task;
             for (i, out_row) in chunk.chunks_mut(n).enumerate() {
                 self.row_dot(&ctx, first + i, &mut codes, out_row);
@@ -314,9 +290,7 @@ impl MatRef<'_> {
         if rows * cols < PAR_MIN_ELEMS {
             out.chunks_mut(rows_per_task * n).enumerate().for_each(run);
         } else {
-            out.par_chunks_mut(rows_per_task * n)
-                .enumerate()
-                .for_each(run);
+            out.par_chunks_mut(rows_per_task * n).enumerate().for_each(run);
         }
         if n > 1 {
             for r in 0..rows {
@@ -330,9 +304,7 @@ impl MatRef<'_> {
     /// `(avx512, bits)` when a fused in-register kernel covers this matrix on `isa`.
     fn fused_kernel(&self, isa: Isa) -> Option<(bool, u32)> {
         match (self, isa) {
-            (MatRef::Quant(q), Isa::Avx2 | Isa::Avx512)
-                if matches!(q.bits, 4 | 8) && q.group % 32 == 0 =>
-            {
+            (MatRef::Quant(q), Isa::Avx2 | Isa::Avx512) if matches!(q.bits, 4 | 8) && q.group % 32 == 0 => {
                 Some((isa == Isa::Avx512, q.bits))
             }
             _ => None,
@@ -381,8 +353,7 @@ impl MatRef<'_> {
                         let s = q.scale_type.get(q.scales, r * gpr + g);
                         let b = q.scale_type.get(q.biases, r * gpr + g);
                         let span = g * q.group..(g + 1) * q.group;
-                        acc += s * c.isa.dot(&codes[span.clone()], &xt[span])
-                            + b * c.xsum[t * gpr + g];
+                        acc += s * c.isa.dot(&codes[span.clone()], &xt[span]) + b * c.xsum[t * gpr + g];
                     }
                     *o = acc;
                 }
@@ -392,6 +363,8 @@ impl MatRef<'_> {
 }
 
 /// Per-call state shared by every row of a matmul.
+// Only x86-64 has fused kernels so far; elsewhere `fused` is always `None` and `xp` is `x`.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 struct RowCtx<'a> {
     isa: Isa,
     fused: Option<(bool, u32)>,

@@ -17,11 +17,7 @@ unsafe fn dot_impl(a: &[f32], b: &[f32]) -> f32 {
     let mut i = 0;
     while i + 16 <= n {
         for (j, acc_j) in acc.iter_mut().enumerate() {
-            *acc_j = vfmaq_f32(
-                *acc_j,
-                vld1q_f32(pa.add(i + 4 * j)),
-                vld1q_f32(pb.add(i + 4 * j)),
-            );
+            *acc_j = vfmaq_f32(*acc_j, vld1q_f32(pa.add(i + 4 * j)), vld1q_f32(pb.add(i + 4 * j)));
         }
         i += 16;
     }

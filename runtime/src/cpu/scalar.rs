@@ -46,11 +46,7 @@ pub fn reference_matmul(w: &MatRef<'_>, x: &[f32], n: usize, y: &mut [f32]) {
             }
         }
         for t in 0..n {
-            y[t * rows + r] = row
-                .iter()
-                .zip(&x[t * cols..(t + 1) * cols])
-                .map(|(a, b)| a * b)
-                .sum();
+            y[t * rows + r] = row.iter().zip(&x[t * cols..(t + 1) * cols]).map(|(a, b)| a * b).sum();
         }
     }
 }

@@ -44,16 +44,10 @@ fn case_strategy() -> impl Strategy<Value = (Case, Vec<f32>, usize)> {
             use rand::{Rng, SeedableRng};
             let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
             let cols = group * ngroups;
-            let codes: Vec<u32> = (0..rows * cols)
-                .map(|_| rng.gen_range(0..(1u32 << bits)))
-                .collect();
+            let codes: Vec<u32> = (0..rows * cols).map(|_| rng.gen_range(0..(1u32 << bits))).collect();
             // Negative scales are legal (the quantizer flips them when |min| ≤ |max|).
-            let s: Vec<f32> = (0..rows * ngroups)
-                .map(|_| rng.gen_range(-0.1f32..0.1))
-                .collect();
-            let b: Vec<f32> = (0..rows * ngroups)
-                .map(|_| rng.gen_range(-1f32..1.0))
-                .collect();
+            let s: Vec<f32> = (0..rows * ngroups).map(|_| rng.gen_range(-0.1f32..0.1)).collect();
+            let b: Vec<f32> = (0..rows * ngroups).map(|_| rng.gen_range(-1f32..1.0)).collect();
             let x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-2f32..2.0)).collect();
             let case = Case {
                 packed: pack(bits, &codes),
@@ -189,9 +183,7 @@ fn large_matmul_is_identical_across_thread_counts() {
     let cols = 256;
     let codes: Vec<u32> = (0..rows * cols).map(|i| (i * 7 % 16) as u32).collect();
     let packed = pack(4, &codes);
-    let s: Vec<f32> = (0..rows * 4)
-        .map(|i| (i as f32 * 0.37).sin() * 0.05)
-        .collect();
+    let s: Vec<f32> = (0..rows * 4).map(|i| (i as f32 * 0.37).sin() * 0.05).collect();
     let b: Vec<f32> = (0..rows * 4).map(|i| (i as f32 * 0.11).cos()).collect();
     let (scales, biases) = (encode(FloatType::F32, &s), encode(FloatType::F32, &b));
     let w = MatRef::Quant(QuantMatrix {
@@ -207,10 +199,7 @@ fn large_matmul_is_identical_across_thread_counts() {
     let x: Vec<f32> = (0..3 * cols).map(|i| (i as f32 * 0.01).sin()).collect();
     let mut a = vec![0f32; 3 * rows];
     w.matmul(Isa::detect(), &x, 3, &mut a);
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(1)
-        .build()
-        .unwrap();
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
     let mut b1 = vec![0f32; 3 * rows];
     pool.install(|| w.matmul(Isa::detect(), &x, 3, &mut b1));
     assert_eq!(a, b1);

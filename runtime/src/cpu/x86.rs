@@ -24,11 +24,7 @@ unsafe fn dot_avx2_impl(a: &[f32], b: &[f32]) -> f32 {
         i += 32;
     }
     while i + 8 <= n {
-        acc[0] = _mm256_fmadd_ps(
-            _mm256_loadu_ps(pa.add(i)),
-            _mm256_loadu_ps(pb.add(i)),
-            acc[0],
-        );
+        acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc[0]);
         i += 8;
     }
     let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
@@ -61,11 +57,7 @@ unsafe fn dot_avx512_impl(a: &[f32], b: &[f32]) -> f32 {
     let mut i = 0;
     while i + 32 <= n {
         acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc0);
-        acc1 = _mm512_fmadd_ps(
-            _mm512_loadu_ps(pa.add(i + 16)),
-            _mm512_loadu_ps(pb.add(i + 16)),
-            acc1,
-        );
+        acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i + 16)), _mm512_loadu_ps(pb.add(i + 16)), acc1);
         i += 32;
     }
     if i + 16 <= n {
@@ -83,10 +75,7 @@ unsafe fn dot_avx512_impl(a: &[f32], b: &[f32]) -> f32 {
 /// Unpacks 2-, 4- or 8-bit codes eight at a time with variable shifts.
 pub(super) fn unpack_avx2(bits: u32, packed: &[u8], out: &mut [f32]) {
     let n = out.len();
-    assert!(
-        packed.len() * 8 >= n * bits as usize,
-        "packed row too short"
-    );
+    assert!(packed.len() * 8 >= n * bits as usize, "packed row too short");
     // SAFETY: AVX2 was detected before this ISA was selected; the assert above bounds every read, and
     // every write is to `out[..n]`.
     unsafe { unpack_avx2_impl(bits, packed, out) }
@@ -109,14 +98,8 @@ unsafe fn unpack_avx2_impl(bits: u32, packed: &[u8], out: &mut [f32]) {
             let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
             let mask = _mm256_set1_epi32(0xf);
             while k + 8 <= n {
-                let w = u32::from_le_bytes([
-                    packed[k / 2],
-                    packed[k / 2 + 1],
-                    packed[k / 2 + 2],
-                    packed[k / 2 + 3],
-                ]);
-                let v =
-                    _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w as i32), shifts), mask);
+                let w = u32::from_le_bytes([packed[k / 2], packed[k / 2 + 1], packed[k / 2 + 2], packed[k / 2 + 3]]);
+                let v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w as i32), shifts), mask);
                 _mm256_storeu_ps(po.add(k), _mm256_cvtepi32_ps(v));
                 k += 8;
             }
@@ -127,12 +110,9 @@ unsafe fn unpack_avx2_impl(bits: u32, packed: &[u8], out: &mut [f32]) {
             let mask = _mm256_set1_epi32(0x3);
             while k + 16 <= n {
                 let j = k / 4;
-                let w = _mm256_set1_epi32(u32::from_le_bytes([
-                    packed[j],
-                    packed[j + 1],
-                    packed[j + 2],
-                    packed[j + 3],
-                ]) as i32);
+                let w = _mm256_set1_epi32(
+                    u32::from_le_bytes([packed[j], packed[j + 1], packed[j + 2], packed[j + 3]]) as i32,
+                );
                 let a = _mm256_and_si256(_mm256_srlv_epi32(w, lo), mask);
                 let b = _mm256_and_si256(_mm256_srlv_epi32(w, hi), mask);
                 _mm256_storeu_ps(po.add(k), _mm256_cvtepi32_ps(a));
@@ -228,11 +208,7 @@ unsafe fn fused_q4_avx512(a: &RowArgs<'_>) -> f32 {
             p0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xp.add(off)), p0);
             p1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp.add(off + 16)), p1);
         }
-        acc = _mm512_fmadd_ps(
-            _mm512_set1_ps(*a.scales.get_unchecked(g)),
-            _mm512_add_ps(p0, p1),
-            acc,
-        );
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(*a.scales.get_unchecked(g)), _mm512_add_ps(p0, p1), acc);
     }
     _mm512_reduce_add_ps(acc) + bias_term(a)
 }
@@ -247,17 +223,9 @@ unsafe fn fused_q8_avx512(a: &RowArgs<'_>) -> f32 {
             let v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(pp.add(off) as *const __m128i));
             let v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(pp.add(off + 16) as *const __m128i));
             p0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v0), _mm512_loadu_ps(xp.add(off)), p0);
-            p1 = _mm512_fmadd_ps(
-                _mm512_cvtepi32_ps(v1),
-                _mm512_loadu_ps(xp.add(off + 16)),
-                p1,
-            );
+            p1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v1), _mm512_loadu_ps(xp.add(off + 16)), p1);
         }
-        acc = _mm512_fmadd_ps(
-            _mm512_set1_ps(*a.scales.get_unchecked(g)),
-            _mm512_add_ps(p0, p1),
-            acc,
-        );
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(*a.scales.get_unchecked(g)), _mm512_add_ps(p0, p1), acc);
     }
     _mm512_reduce_add_ps(acc) + bias_term(a)
 }
@@ -298,11 +266,7 @@ unsafe fn fused_q8_avx2(a: &RowArgs<'_>) -> f32 {
         let mut p = [_mm256_setzero_ps(); 4];
         for (i, off) in (g * a.group..(g + 1) * a.group).step_by(8).enumerate() {
             let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(pp.add(off) as *const __m128i));
-            p[i & 3] = _mm256_fmadd_ps(
-                _mm256_cvtepi32_ps(v),
-                _mm256_loadu_ps(xp.add(off)),
-                p[i & 3],
-            );
+            p[i & 3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_loadu_ps(xp.add(off)), p[i & 3]);
         }
         let sum = _mm256_add_ps(_mm256_add_ps(p[0], p[1]), _mm256_add_ps(p[2], p[3]));
         acc = _mm256_fmadd_ps(_mm256_set1_ps(*a.scales.get_unchecked(g)), sum, acc);

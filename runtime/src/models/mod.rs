@@ -10,9 +10,7 @@ use expert_store::{ExpertSource, MmapExpertSource};
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::layers::{
-    Attention, DecoderLayer, DecoderModel, Ffn, Mlp, ModelInfo, RouterKind, SparseMoe,
-};
+use crate::layers::{Attention, DecoderLayer, DecoderModel, Ffn, Mlp, ModelInfo, RouterKind, SparseMoe};
 use crate::ops::{AttnShape, Rope};
 use crate::weights::Weights;
 
@@ -28,23 +26,18 @@ pub fn supported_model_types() -> Vec<&'static str> {
 
 /// Loads the model in `dir` (MLX safetensors layout) with its experts viewed in place.
 pub fn load_model(dir: &Path) -> Result<DecoderModel> {
-    let config = ModelConfig::load(dir)?;
+    load_model_with(dir, ModelConfig::load(dir)?)
+}
+
+/// Like [`load_model`], with `config.json` already parsed.
+pub fn load_model_with(dir: &Path, config: ModelConfig) -> Result<DecoderModel> {
     let loader = REGISTRY
         .iter()
         .find(|(n, _)| *n == config.model_type)
         .map(|(_, l)| *l)
-        .ok_or_else(|| {
-            ModelError::UnknownModelType(
-                config.model_type.clone(),
-                supported_model_types().join(", "),
-            )
-        })?;
+        .ok_or_else(|| ModelError::UnknownModelType(config.model_type.clone(), supported_model_types().join(", ")))?;
     let weights = Weights::open(dir, config)?;
-    if weights
-        .checkpoint()
-        .names()
-        .any(|n| n.contains(".experts.0."))
-    {
+    if weights.checkpoint().names().any(|n| n.contains(".experts.0.")) {
         return Err(ModelError::BadTensor {
             name: "*.experts.0.*".into(),
             message: "per-expert (Hugging Face) layout is not supported yet; convert with `mlx_lm.convert`".into(),
@@ -84,19 +77,9 @@ impl DecoderDims {
     /// Rejects shapes the math cannot run, naming config.json.
     pub fn validate(&self, c: &ModelConfig, num_experts: usize) -> Result<()> {
         let a = &self.attn;
-        let zero = [
-            self.hidden,
-            self.layers,
-            a.heads,
-            a.kv_heads,
-            a.head_dim,
-            self.vocab,
-        ]
-        .contains(&0);
+        let zero = [self.hidden, self.layers, a.heads, a.kv_heads, a.head_dim, self.vocab].contains(&0);
         if zero {
-            return Err(c.error(
-                "hidden size, layers, heads, head_dim and vocab_size must all be non-zero",
-            ));
+            return Err(c.error("hidden size, layers, heads, head_dim and vocab_size must all be non-zero"));
         }
         if !a.heads.is_multiple_of(a.kv_heads) {
             return Err(c.error(format!(
@@ -118,11 +101,7 @@ impl DecoderDims {
 }
 
 /// Assembles embedding, layers (attention at `model.layers.N.self_attn`, FFN per `plan`), norm and head.
-pub(crate) fn build_decoder(
-    w: &Weights,
-    d: DecoderDims,
-    plan: impl Fn(usize) -> FfnPlan,
-) -> Result<DecoderModel> {
+pub(crate) fn build_decoder(w: &Weights, d: DecoderDims, plan: impl Fn(usize) -> FfnPlan) -> Result<DecoderModel> {
     let plans: Vec<FfnPlan> = (0..d.layers).map(plan).collect();
     let num_experts = plans.iter().find_map(|p| {
         if let FfnPlan::Moe { num_experts, .. } = p {
@@ -142,13 +121,7 @@ pub(crate) fn build_decoder(
             inter,
         } = p
         {
-            let (f, s) = w.stacked_experts(
-                &format!("{prefix}.switch_mlp"),
-                i,
-                *num_experts,
-                d.hidden,
-                *inter,
-            )?;
+            let (f, s) = w.stacked_experts(&format!("{prefix}.switch_mlp"), i, *num_experts, d.hidden, *inter)?;
             formats.push(f);
             stacks.push(s);
         }
@@ -164,16 +137,16 @@ pub(crate) fn build_decoder(
                 prefix,
                 num_experts,
                 inter,
-            } => Ffn::Moe(SparseMoe::new(
-                w.linear(&format!("{prefix}.gate"), *num_experts, d.hidden)?,
-                d.router,
-                i,
-                *num_experts,
-                d.hidden,
-                *inter,
-                formats.next().expect("one format per MoE layer"),
-                Arc::clone(&source),
-            )),
+            } => Ffn::Moe(SparseMoe {
+                router: w.linear(&format!("{prefix}.gate"), *num_experts, d.hidden)?,
+                kind: d.router,
+                layer: i,
+                num_experts: *num_experts,
+                hidden: d.hidden,
+                inter: *inter,
+                formats: formats.next().expect("one format per MoE layer"),
+                experts: Arc::clone(&source),
+            }),
         };
         layers.push(DecoderLayer {
             input_norm: w.vector(&format!("{base}.input_layernorm.weight"), d.hidden)?,

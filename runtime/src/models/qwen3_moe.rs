@@ -65,23 +65,17 @@ impl Qwen3MoeConfig {
 /// Loads a `qwen3_moe` checkpoint.
 pub fn load(w: &Weights) -> Result<DecoderModel> {
     let c: Qwen3MoeConfig = w.config().typed()?;
-    let head_dim = c
-        .head_dim
-        .unwrap_or(c.hidden_size / c.num_attention_heads.max(1));
+    let attn = AttnShape::from_config(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim);
     let dims = DecoderDims {
         hidden: c.hidden_size,
         layers: c.num_hidden_layers,
-        attn: AttnShape {
-            heads: c.num_attention_heads,
-            kv_heads: c.num_key_value_heads.unwrap_or(c.num_attention_heads),
-            head_dim,
-        },
+        attn,
         vocab: c.vocab_size,
         context_length: c.max_position_embeddings,
         eps: c.rms_norm_eps,
         tie_embeddings: c.tie_word_embeddings,
         qk_norm: true,
-        rope: Rope::new(head_dim, c.rope_theta, false, c.rope_scaling.as_ref())?,
+        rope: Rope::new(attn.head_dim, c.rope_theta, false, c.rope_scaling.as_ref())?,
         router: RouterKind::SoftmaxTopK {
             renormalize: c.norm_topk_prob,
         },
