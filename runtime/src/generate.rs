@@ -37,6 +37,9 @@ pub struct GenerateParams {
     pub ignore_eos: bool,
     /// Lower the context limit below the model's (`None`: the model's).
     pub context_limit: Option<usize>,
+    /// Prompt tokens per forward pass during prefill; bounds activation memory for long prompts without
+    /// changing results (a token's numbers do not depend on its batch).
+    pub prefill_chunk: usize,
 }
 
 impl Default for GenerateParams {
@@ -48,6 +51,7 @@ impl Default for GenerateParams {
             expert_top_k: None,
             ignore_eos: false,
             context_limit: None,
+            prefill_chunk: 512,
         }
     }
 }
@@ -136,7 +140,10 @@ impl Pipeline {
         };
         let mut cache = self.model.new_cache();
         let t0 = Instant::now();
-        let mut logits = self.model.forward(&ids, &mut cache, &opts)?;
+        let mut logits = Vec::new();
+        for chunk in ids.chunks(params.prefill_chunk.max(1)) {
+            logits = self.model.forward(chunk, &mut cache, &opts)?;
+        }
         let prefill_time = t0.elapsed();
 
         let t1 = Instant::now();

@@ -424,6 +424,7 @@ mod tests {
             rows: experts,
             cols: h,
             parts: r.into_iter().map(OwnedBytes::from_vec).collect(),
+            bias: None,
         };
         let f = WeightFormat::Affine {
             bits,

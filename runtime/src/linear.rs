@@ -82,6 +82,8 @@ pub struct Linear {
     pub cols: usize,
     /// Weight [, scales, biases] bytes.
     pub parts: Vec<OwnedBytes>,
+    /// Additive output bias (`<module>.bias`), when the checkpoint has one.
+    pub bias: Option<Vec<f32>>,
 }
 
 impl Linear {
@@ -95,6 +97,11 @@ impl Linear {
     pub fn forward(&self, isa: Isa, x: &[f32], n: usize) -> Vec<f32> {
         let mut y = vec![0f32; n * self.rows];
         self.mat().matmul(isa, x, n, &mut y);
+        if let Some(b) = &self.bias {
+            for row in y.chunks_mut(self.rows) {
+                row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+            }
+        }
         y
     }
 }

@@ -336,6 +336,50 @@ mod tests {
         assert_eq!(m.push("x"), ("日x".to_string(), false));
     }
 
+    /// A codec over a fixture's tokenizer with `template` as its chat template (in tokenizer_config.json).
+    fn codec_with_template(template: Value) -> (tempfile::TempDir, TextCodec) {
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/qwen3_moe-q4g64");
+        let d = tempfile::tempdir().unwrap();
+        std::fs::copy(fixture.join("tokenizer.json"), d.path().join("tokenizer.json")).unwrap();
+        let tc = serde_json::json!({"eos_token": {"content": "<|im_end|>"}, "bos_token": "<|endoftext|>", "chat_template": template});
+        std::fs::write(d.path().join("tokenizer_config.json"), tc.to_string()).unwrap();
+        let codec = TextCodec::load(d.path(), &[]).unwrap();
+        (d, codec)
+    }
+
+    #[test]
+    fn templates_can_raise_and_use_hf_helpers() {
+        let t = "{{ bos_token }}{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}\
+                 {{ raise_exception('roles must be user or assistant, got ' + m.role) }}{% endif %}\
+                 [{{ m.role | upper }}]{{ m.content.strip() }}{{ {'t': m.content} | tojson }}{% endfor %}\
+                 {% if add_generation_prompt %}[A]{% endif %}";
+        let (_d, c) = codec_with_template(Value::String(t.into()));
+        assert_eq!(c.eos_ids(), &[2], "eos_token given as an object");
+        let out = c
+            .apply_chat_template(&[ChatMessage::new("user", " <a&b> ")], true)
+            .unwrap();
+        assert_eq!(out, r#"<|endoftext|>[USER]<a&b>{"t":" <a&b> "}[A]"#);
+        let e = c
+            .apply_chat_template(&[ChatMessage::new("tool", "x")], true)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("roles must be user or assistant, got tool"), "{e}");
+    }
+
+    #[test]
+    fn named_template_list_uses_default_and_missing_template_is_an_error() {
+        let list = serde_json::json!([{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]);
+        let (_d, c) = codec_with_template(list);
+        assert_eq!(c.apply_chat_template(&[], false).unwrap(), "D");
+        let (_d, c) = codec_with_template(Value::Null);
+        assert!(!c.has_chat_template());
+        assert!(c
+            .apply_chat_template(&[], true)
+            .unwrap_err()
+            .to_string()
+            .contains("no chat template"));
+    }
+
     #[test]
     fn strftime_now_formats_a_date() {
         let s = strftime_now("%d %B %Y");

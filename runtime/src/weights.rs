@@ -192,11 +192,19 @@ impl Weights {
             .iter()
             .map(|n| Ok(self.ckpt.require(n)?.bytes().clone()))
             .collect::<Result<Vec<_>>>()?;
+        // Biases (e.g. `attention_bias: true` configs) are applied when present, never silently dropped.
+        let bias_path = format!("{module}.bias");
+        let bias = if self.has(&bias_path) {
+            Some(self.vector(&bias_path, rows)?)
+        } else {
+            None
+        };
         Ok(Linear {
             format,
             rows,
             cols,
             parts,
+            bias,
         })
     }
 

@@ -82,6 +82,55 @@ fn generate_reproduces_mlx_lm_greedy_tokens_and_streams_their_text() {
 }
 
 #[test]
+fn chunked_prefill_gives_the_same_tokens() {
+    let dir = fixture("qwen3_moe-q4g64");
+    let g = golden(&dir);
+    let p = Pipeline::load(&dir).unwrap();
+    for chunk in [1, 5, 37] {
+        let params = GenerateParams {
+            max_tokens: 8,
+            ignore_eos: true,
+            prefill_chunk: chunk,
+            ..Default::default()
+        };
+        let (_, stats) = run(&p, &Prompt::Raw(g.prompt.clone()), &params);
+        assert_eq!(stats.tokens, g.greedy[..8], "prefill chunk {chunk}");
+    }
+}
+
+#[test]
+fn linear_biases_in_the_checkpoint_are_applied() {
+    // Add `lm_head.bias` (one-hot 5.0 at token 7) as an extra shard: that logit moves by 5, no other does.
+    let src = fixture("qwen3_moe-q4g64");
+    let d = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(&src).unwrap() {
+        let e = e.unwrap();
+        if e.file_name() != "model.safetensors.index.json" {
+            std::fs::copy(e.path(), d.path().join(e.file_name())).unwrap();
+        }
+    }
+    let vocab = 384;
+    let mut bias = vec![0f32; vocab];
+    bias[7] = 5.0;
+    let bytes: Vec<u8> = bias.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![vocab], &bytes).unwrap();
+    safetensors::serialize_to_file([("lm_head.bias", view)], None, &d.path().join("extra.safetensors")).unwrap();
+    let g = golden(&src);
+    let opts = sluice_runtime::ForwardOptions::default();
+    let base = sluice_runtime::load_model(&src).unwrap();
+    let want = base.forward(&g.prompt_ids, &mut base.new_cache(), &opts).unwrap();
+    let biased = sluice_runtime::load_model(d.path()).unwrap();
+    let got = biased.forward(&g.prompt_ids, &mut biased.new_cache(), &opts).unwrap();
+    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+        if i == 7 {
+            assert!((a - b - 5.0).abs() < 1e-5, "{a} vs {b}");
+        } else {
+            assert_eq!(a, b, "logit {i}");
+        }
+    }
+}
+
+#[test]
 fn streamed_multibyte_text_is_never_split_mid_character() {
     let p = Pipeline::load(&fixture("qwen3_moe-q4g64")).unwrap();
     let text = "Café crème 日本語のテキスト 🚀🦊✨ naïve";

@@ -72,6 +72,15 @@ struct GenerateArgs {
     /// Lower the context limit (default: the model's max_position_embeddings).
     #[arg(short = 'c', long, env = "SLUICE_CTX_SIZE")]
     ctx_size: Option<usize>,
+    /// Prompt tokens per prefill pass (bounds memory on long prompts; results do not depend on it).
+    #[arg(
+        short = 'b',
+        long,
+        alias = "batch-size",
+        default_value_t = 512,
+        env = "SLUICE_PREFILL_CHUNK"
+    )]
+    prefill_chunk: usize,
     /// Compute threads (default: all cores).
     #[arg(short = 't', long, env = "SLUICE_THREADS")]
     threads: Option<usize>,
@@ -91,6 +100,9 @@ fn main() -> Result<()> {
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {
+    if a.prefill_chunk == 0 {
+        bail!("--prefill-chunk must be at least 1");
+    }
     if let Some(n) = a.threads {
         if n == 0 {
             bail!("--threads must be at least 1");
@@ -116,6 +128,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
         expert_top_k: a.top_k,
         ignore_eos: a.ignore_eos,
         context_limit: a.ctx_size,
+        prefill_chunk: a.prefill_chunk,
     };
     // Cheap checks before a load that may take minutes.
     params.sampling.validate()?;
