@@ -1,9 +1,11 @@
 //! Everything that touches the disk: safetensors checkpoints and the per-expert records the runtime reads.
 //!
 //! The runtime never opens a weight file itself. It asks a [`Checkpoint`] for named tensors (resident
-//! weights) and an [`ExpertSource`] for "the record of expert e in layer l". This source views the
+//! weights) and an [`ExpertSource`] for "the record of expert e in layer l". The current source views the
 //! mmap'd safetensors in place ([`MmapExpertSource`]); the streaming engine replaces the source, not the
 //! model code.
+
+#![warn(missing_docs)]
 
 mod bytes;
 mod checkpoint;

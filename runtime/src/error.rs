@@ -1,3 +1,5 @@
+//! The runtime's error type.
+
 use std::path::PathBuf;
 
 /// Errors from loading a model or running it; each names the file, tensor or limit at fault.

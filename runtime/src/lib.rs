@@ -1,5 +1,7 @@
 //! Model math for sluice: the `cpu` backend, MoE architectures, sampling and the decode loop. No HTTP.
 
+#![warn(missing_docs)]
+
 pub mod config;
 pub mod cpu;
 pub mod error;

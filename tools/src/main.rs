@@ -1,5 +1,7 @@
 //! `sluice`: serve Mixture-of-Experts models bigger than memory. This build has `generate`.
 
+#![warn(missing_docs)]
+
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
