@@ -3,6 +3,14 @@ use std::ops::{Deref, Range};
 use std::sync::Arc;
 
 /// A cheaply clonable, immutable byte range that keeps its backing storage (mmap, buffer) alive.
+///
+/// ```
+/// use expert_store::OwnedBytes;
+/// let all = OwnedBytes::from_vec((0u8..16).collect());
+/// let expert = all.slice(4..8).unwrap(); // shares the buffer, no copy
+/// assert_eq!(&*expert, &[4, 5, 6, 7]);
+/// assert!(all.slice(10..20).is_none());
+/// ```
 #[derive(Clone)]
 pub struct OwnedBytes {
     owner: Arc<dyn AsRef<[u8]> + Send + Sync>,

@@ -119,6 +119,18 @@ pub enum RouterKind {
 
 impl RouterKind {
     /// The chosen experts (best first) and their weights for one token's router logits.
+    ///
+    /// ```
+    /// use sluice_runtime::RouterKind;
+    /// let logits = [2.0, 0.5, 1.0, -1.0];
+    /// // Mixtral: top-2 of the logits, softmax over those two — weights sum to 1 at any k.
+    /// let (ids, w) = RouterKind::TopKSoftmax.route(&logits, 2);
+    /// assert_eq!(ids, [0, 2]);
+    /// assert!((w[0] + w[1] - 1.0).abs() < 1e-6);
+    /// // Qwen3-MoE without norm_topk_prob: the two keep their share of the full softmax.
+    /// let (_, w) = RouterKind::SoftmaxTopK { renormalize: false }.route(&logits, 2);
+    /// assert!(w[0] + w[1] < 0.95);
+    /// ```
     pub fn route(self, logits: &[f32], k: usize) -> (Vec<usize>, Vec<f32>) {
         match self {
             RouterKind::SoftmaxTopK { renormalize } => {

@@ -71,6 +71,16 @@ impl SamplingParams {
 }
 
 /// A seeded sampler.
+///
+/// ```
+/// use sluice_runtime::sampling::{Sampler, SamplingParams};
+/// let logits = [0.1, 2.0, 1.9];
+/// let mut greedy = Sampler::new(SamplingParams::default()).unwrap();
+/// assert_eq!(greedy.sample(&logits, &[], &[]), 1);
+/// // A repetition penalty on token 1 (seen in the prompt) hands the argmax to token 2.
+/// let mut p = Sampler::new(SamplingParams { repetition_penalty: 1.2, ..Default::default() }).unwrap();
+/// assert_eq!(p.sample(&logits, &[1], &[]), 2);
+/// ```
 pub struct Sampler {
     params: SamplingParams,
     rng: StdRng,

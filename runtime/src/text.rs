@@ -271,6 +271,13 @@ impl StreamDecoder {
 }
 
 /// Finds stop strings in streamed text, holding back any tail that could still become one.
+///
+/// ```
+/// use sluice_runtime::text::StopMatcher;
+/// let mut m = StopMatcher::new(&["</answer>".to_string()]);
+/// assert_eq!(m.push("42 </ans"), ("42 ".to_string(), false)); // "</ans" might start the stop string
+/// assert_eq!(m.push("wer> ignored"), (String::new(), true));
+/// ```
 #[derive(Debug, Default)]
 pub struct StopMatcher {
     stops: Vec<String>,
