@@ -113,7 +113,8 @@ impl Pipeline {
         }
     }
 
-    /// Generates from `prompt`, calling `on_text` with each new piece of text; it returns `false` to stop.
+    /// Generates from `prompt`, calling `on_text` once per generated token with the text it completes (possibly
+    /// empty while a character or a possible stop string is held back); `on_text` returns `false` to stop.
     pub fn generate(
         &self,
         prompt: &Prompt,
@@ -162,7 +163,8 @@ impl Pipeline {
                 break FinishReason::Stop;
             }
             let (text, hit) = stops.push(&decoder.push(&self.codec, next)?);
-            if !text.is_empty() && !on_text(&text) {
+            // Called for every token, even when its text is held back, so a receiver can cancel promptly.
+            if !on_text(&text) {
                 break FinishReason::Cancelled;
             }
             if hit {

@@ -151,6 +151,9 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let mut out = stdout.lock();
     let mut write_failed = None;
     let stats = pipeline.generate(&prompt, &params, |text| {
+        if text.is_empty() {
+            return true;
+        }
         match out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
             Ok(()) => true,
             Err(e) => {
