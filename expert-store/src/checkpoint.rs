@@ -19,6 +19,8 @@ pub struct TensorInfo {
     pub shape: Vec<usize>,
     /// The file holding it.
     pub file: PathBuf,
+    /// Byte offset of the tensor's data in `file`.
+    pub offset: u64,
     bytes: OwnedBytes,
 }
 
@@ -103,6 +105,7 @@ impl Checkpoint {
                 dtype: info.dtype,
                 shape: info.shape.clone(),
                 file: path.to_path_buf(),
+                offset: (data_start + a) as u64,
                 bytes,
             };
             if let Some(prev) = out.insert(name.clone(), t) {

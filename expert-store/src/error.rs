@@ -41,4 +41,18 @@ pub enum StoreError {
         /// Expert index.
         expert: usize,
     },
+    /// A record read that failed (I/O error, short read, checksum mismatch); names the record and file.
+    #[error("{0}")]
+    Read(String),
+    /// The streaming engine cannot serve (bad budget, no records, cache too small).
+    #[error("expert engine: {0}")]
+    Engine(String),
+    /// A packed store that is missing, corrupt, or does not match the model; names the file.
+    #[error("{path}: {message}")]
+    BadStore {
+        /// The manifest or data file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
 }

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::{Checkpoint, OwnedBytes, StoreError};
+use crate::{Checkpoint, OwnedBytes, StoreCounters, StoreError};
 
 /// The bytes of one expert: its parts in the order the layer's [`StackedExperts::tensors`] lists them.
 #[derive(Debug, Clone)]
@@ -28,6 +28,48 @@ impl ExpertRecord {
 pub trait ExpertSource: Send + Sync {
     /// The record of expert `expert` in layer `layer`.
     fn read_expert(&self, layer: usize, expert: usize) -> Result<ExpertRecord, StoreError>;
+
+    /// Requests `experts` of `layer` at once; the fetch yields each (position in `experts`, record) as it
+    /// becomes available, resident ones first. Sources without I/O yield them in order.
+    fn fetch_layer<'a>(&'a self, layer: usize, experts: &[usize]) -> Result<Box<dyn ExpertFetch + 'a>, StoreError> {
+        Ok(Box::new(InOrderFetch {
+            source: self,
+            layer,
+            experts: experts.to_vec(),
+            next: 0,
+        }))
+    }
+
+    /// Hints that `experts` of `layer` will probably be needed soon (read on idle I/O capacity if useful).
+    fn prefetch(&self, _layer: usize, _experts: &[usize]) {}
+
+    /// The source's I/O counters, if it does I/O.
+    fn counters(&self) -> Option<Arc<StoreCounters>> {
+        None
+    }
+}
+
+/// Records of one [`ExpertSource::fetch_layer`] request, in arrival order.
+pub trait ExpertFetch {
+    /// The next available record with its position in the request; `None` when all were handed out.
+    fn next_ready(&mut self) -> Option<Result<(usize, ExpertRecord), StoreError>>;
+}
+
+/// The default fetch: reads each record when asked, in request order.
+struct InOrderFetch<'a, S: ?Sized> {
+    source: &'a S,
+    layer: usize,
+    experts: Vec<usize>,
+    next: usize,
+}
+
+impl<S: ExpertSource + ?Sized> ExpertFetch for InOrderFetch<'_, S> {
+    fn next_ready(&mut self) -> Option<Result<(usize, ExpertRecord), StoreError>> {
+        let pos = self.next;
+        let &e = self.experts.get(pos)?;
+        self.next += 1;
+        Some(self.source.read_expert(self.layer, e).map(|r| (pos, r)))
+    }
 }
 
 /// One layer's experts stored stacked: each named tensor has the expert index as its leading dimension.
@@ -147,6 +189,24 @@ mod tests {
             src.read_expert(layer + 1, 0),
             Err(StoreError::NoRecord { .. })
         ));
+        // A whole-layer request yields every position once, with the right record.
+        for _ in 0..2 {
+            let want: Vec<usize> = (0..experts).rev().collect();
+            let mut f = src.fetch_layer(layer, &want).unwrap();
+            let mut seen = vec![false; want.len()];
+            while let Some(r) = f.next_ready() {
+                let (pos, rec) = r.unwrap();
+                assert!(!seen[pos], "position {pos} twice");
+                seen[pos] = true;
+                let got: Vec<Vec<u8>> = rec.parts.iter().map(|p| p.to_vec()).collect();
+                assert_eq!(got, expect(want[pos]));
+            }
+            assert!(seen.iter().all(|&s| s));
+        }
+        // Out of range: an error at the request or at the first record.
+        if let Ok(mut f) = src.fetch_layer(layer, &[experts]) {
+            assert!(matches!(f.next_ready(), Some(Err(StoreError::NoRecord { .. }))));
+        }
     }
 
     fn parts_of(e: usize) -> Vec<Vec<u8>> {
@@ -162,10 +222,8 @@ mod tests {
         check_source(&m, 2, 3, parts_of);
     }
 
-    #[test]
-    fn mmap_source_slices_stacked_tensors() {
-        let d = tempfile::tempdir().unwrap();
-        // Two stacked tensors of 3 experts: 8 and 4 bytes per expert.
+    /// A one-file checkpoint with two stacked tensors of 3 experts (8 and 4 bytes per expert).
+    fn stacked_checkpoint(d: &std::path::Path) -> (Arc<Checkpoint>, StackedExperts) {
         let a: Vec<u8> = (0..3).flat_map(|e| parts_of(e)[0].clone()).collect();
         let b: Vec<u8> = (0..3).flat_map(|e| parts_of(e)[1].clone()).collect();
         let header = r#"{"a":{"dtype":"U8","shape":[3,8],"data_offsets":[0,24]},"b":{"dtype":"U8","shape":[3,4],"data_offsets":[24,36]}}"#;
@@ -173,13 +231,20 @@ mod tests {
         buf.extend_from_slice(header.as_bytes());
         buf.extend(a);
         buf.extend(b);
-        std::fs::write(d.path().join("m.safetensors"), buf).unwrap();
-        let ck = Arc::new(Checkpoint::open(d.path()).unwrap());
+        std::fs::write(d.join("m.safetensors"), buf).unwrap();
+        let ck = Arc::new(Checkpoint::open(d).unwrap());
         let layout = StackedExperts {
             layer: 2,
             num_experts: 3,
             tensors: vec!["a".into(), "b".into()],
         };
+        (ck, layout)
+    }
+
+    #[test]
+    fn mmap_source_slices_stacked_tensors() {
+        let d = tempfile::tempdir().unwrap();
+        let (ck, layout) = stacked_checkpoint(d.path());
         check_source(&MmapExpertSource::new(&ck, &[layout]).unwrap(), 2, 3, parts_of);
 
         let wrong = StackedExperts {
@@ -189,5 +254,44 @@ mod tests {
         };
         let e = MmapExpertSource::new(&ck, &[wrong]).err().unwrap().to_string();
         assert!(e.contains("`a`") && e.contains("4 stacked experts"), "{e}");
+    }
+
+    #[test]
+    fn streaming_sources_in_place_and_packed() {
+        use crate::{EngineOptions, RecordTable, StreamingSource};
+        let d = tempfile::tempdir().unwrap();
+        let (ck, layout) = stacked_checkpoint(d.path());
+        let store = crate::convert(
+            &ck,
+            std::slice::from_ref(&layout),
+            &d.path().join("store"),
+            &crate::ConvertOptions {
+                force: false,
+                progress: &|_, _| {},
+            },
+        )
+        .unwrap();
+        for slots in [1, 2, 3] {
+            for depth in [1, 4] {
+                for direct in [false, true] {
+                    let opts = EngineOptions {
+                        cache_bytes: slots * crate::SLOT_ALIGN as u64,
+                        io_depth: depth,
+                        verify: true,
+                    };
+                    let tables = [
+                        RecordTable::in_place(&ck, std::slice::from_ref(&layout), direct).unwrap(),
+                        store.table(direct).unwrap(),
+                    ];
+                    for t in tables {
+                        let engine = StreamingSource::new(t, &opts).unwrap();
+                        check_source(&engine, 2, 3, parts_of);
+                        let c = engine.counters().unwrap().snapshot();
+                        assert_eq!(c.read_errors, 0);
+                        assert!(c.hits + c.misses > 0);
+                    }
+                }
+            }
+        }
     }
 }

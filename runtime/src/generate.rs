@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
+use crate::experts::{ExpertOptions, ModelLocation};
 use crate::layers::{DecoderModel, ForwardOptions};
 use crate::models::load_model_with;
 use crate::sampling::{Sampler, SamplingParams};
@@ -95,11 +96,17 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
-    /// Loads the model and tokenizer in `dir`.
-    pub fn load(dir: &Path) -> Result<Self> {
-        let config = ModelConfig::load(dir)?;
-        let codec = TextCodec::load(dir, &config.eos_token_ids())?;
-        let model = load_model_with(dir, config)?;
+    /// Loads the model and tokenizer at `path` (a model directory or a packed store), default options.
+    pub fn load(path: &Path) -> Result<Self> {
+        Self::load_with(path, &ExpertOptions::default())
+    }
+
+    /// Loads the model and tokenizer at `path` with these expert-serving options.
+    pub fn load_with(path: &Path, opts: &ExpertOptions) -> Result<Self> {
+        let loc = ModelLocation::resolve(path)?;
+        let config = ModelConfig::load(loc.model_dir())?;
+        let codec = TextCodec::load(loc.model_dir(), &config.eos_token_ids())?;
+        let model = load_model_with(path, config, opts)?;
         Ok(Self { model, codec })
     }
 

@@ -187,9 +187,21 @@ impl SparseMoe {
 
     /// Routes each of the `n` tokens of `x` to `k` experts and sums their weighted outputs.
     ///
-    /// Experts are visited in id order, each over all tokens routed to it; each token's outputs are then
-    /// combined in its own routing order, so the result is the same bit for bit whatever the batch.
-    fn forward(&self, isa: Isa, x: &[f32], n: usize, k: usize) -> Result<Vec<f32>> {
+    /// Each expert runs once over all tokens routed to it; each token's outputs are then combined in its
+    /// own routing order, so the result is the same bit for bit whatever the batch or arrival order.
+    ///
+    /// All experts of the step are requested from the store at once; each is computed as its record
+    /// arrives (resident ones first) and its record released right after, so a small cache still works.
+    /// `prefetch` names the next layer's predicted experts, hinted to the store once this layer's reads
+    /// are queued. Also returns the last token's chosen experts.
+    fn forward(
+        &self,
+        isa: Isa,
+        x: &[f32],
+        n: usize,
+        k: usize,
+        prefetch: Option<(usize, &[usize])>,
+    ) -> Result<(Vec<f32>, Vec<usize>)> {
         let (h, k) = (self.hidden, k.min(self.num_experts));
         let logits = self.router.forward(isa, x, n);
         let routes: Vec<(Vec<usize>, Vec<f32>)> =
@@ -200,9 +212,15 @@ impl SparseMoe {
                 per_expert[e].push((t, slot));
             }
         }
+        let used: Vec<usize> = (0..self.num_experts).filter(|&e| !per_expert[e].is_empty()).collect();
+        let mut fetch = self.experts.fetch_layer(self.layer, &used)?;
+        if let Some((layer, experts)) = prefetch {
+            self.experts.prefetch(layer, experts);
+        }
         let mut slots = vec![0f32; n * k * h];
-        for (e, users) in per_expert.iter().enumerate().filter(|(_, u)| !u.is_empty()) {
-            let rec = self.experts.read_expert(self.layer, e)?;
+        while let Some(next) = fetch.next_ready() {
+            let (pos, rec) = next?;
+            let users = &per_expert[used[pos]];
             let parts: Vec<&[u8]> = rec.parts.iter().map(|p| p.as_slice()).collect();
             let [gate, up, down] = self.expert_views(&parts);
             let m = users.len();
@@ -230,7 +248,16 @@ impl SparseMoe {
                 }
             }
         }
-        Ok(out)
+        let last = routes.last().map(|(ids, _)| ids.clone()).unwrap_or_default();
+        Ok((out, last))
+    }
+
+    /// The experts this layer's router would pick for the (unnormalised) residual `x` of one token.
+    fn predict(&self, isa: Isa, x: &[f32], norm: &[f32], eps: f32, k: usize) -> Vec<usize> {
+        let mut b = x.to_vec();
+        ops::rms_norm(&mut b, norm, eps);
+        let logits = self.router.forward(isa, &b, 1);
+        self.kind.route(&logits, k.min(self.num_experts)).0
     }
 }
 
@@ -261,6 +288,30 @@ pub struct ForwardOptions {
     pub top_k: Option<usize>,
     /// Logits for every input position instead of only the last.
     pub all_logits: bool,
+}
+
+/// Which records the store is asked to read ahead during decode.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum PrefetchMode {
+    /// No speculative reads.
+    #[default]
+    None,
+    /// The next layer's experts of the previous token.
+    PrevToken,
+    /// The next layer's router applied to the current residual stream.
+    NextLayer,
+}
+
+impl std::str::FromStr for PrefetchMode {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "none" => Ok(Self::None),
+            "prev-token" => Ok(Self::PrevToken),
+            "next-layer" => Ok(Self::NextLayer),
+            _ => Err(format!("unknown prefetch mode `{s}` (none, prev-token, next-layer)")),
+        }
+    }
 }
 
 /// Static facts about a loaded model.
@@ -298,12 +349,41 @@ pub struct DecoderModel {
     pub eps: f32,
     /// Hidden size.
     pub hidden: usize,
+    /// Speculative expert reads during decode.
+    pub prefetch: PrefetchMode,
+    /// Where each MoE layer's stacked expert tensors are (what `sluice convert` packs).
+    pub expert_stacks: Vec<expert_store::StackedExperts>,
 }
 
 impl DecoderModel {
     /// A fresh KV cache.
     pub fn new_cache(&self) -> KvCache {
         KvCache::new(self.layers.len())
+    }
+
+    /// During decode (one token), the experts layer `i + 1` will probably need, per the prefetch mode.
+    fn predict_next(
+        &self,
+        isa: Isa,
+        i: usize,
+        x: &[f32],
+        n: usize,
+        k: usize,
+        cache: &KvCache,
+    ) -> Option<(usize, Vec<usize>)> {
+        if n != 1 || self.prefetch == PrefetchMode::None {
+            return None;
+        }
+        let next = self.layers.get(i + 1)?;
+        let Ffn::Moe(moe) = &next.ffn else {
+            return None;
+        };
+        let experts = match self.prefetch {
+            PrefetchMode::PrevToken => cache.last_experts.get(i + 1)?.clone(),
+            PrefetchMode::NextLayer => moe.predict(isa, x, &next.post_norm, self.eps, k),
+            PrefetchMode::None => return None,
+        };
+        (!experts.is_empty()).then_some((moe.layer, experts))
     }
 
     /// Runs `tokens` after the cached positions; returns logits `[m, vocab]`, m = tokens or 1.
@@ -336,7 +416,8 @@ impl DecoderModel {
             }
             self.embed.mat().row(isa, id as usize, &mut x[t * h..(t + 1) * h]);
         }
-        for (layer, kv) in self.layers.iter().zip(cache.layers.iter_mut()) {
+        for (i, layer) in self.layers.iter().enumerate() {
+            let kv = &mut cache.layers[i];
             let mut a = x.clone();
             ops::rms_norm(&mut a, &layer.input_norm, self.eps);
             let a = layer.attn.forward(isa, &a, n, kv);
@@ -345,7 +426,15 @@ impl DecoderModel {
             ops::rms_norm(&mut b, &layer.post_norm, self.eps);
             let f = match &layer.ffn {
                 Ffn::Dense(mlp) => mlp.forward(isa, &b, n),
-                Ffn::Moe(moe) => moe.forward(isa, &b, n, k)?,
+                Ffn::Moe(moe) => {
+                    let predicted = self.predict_next(isa, i, &x, n, k, cache);
+                    let hint = predicted.as_ref().map(|(l, e)| (*l, e.as_slice()));
+                    let (f, last) = moe.forward(isa, &b, n, k, hint)?;
+                    if let Some(slot) = cache.last_experts.get_mut(i) {
+                        *slot = last;
+                    }
+                    f
+                }
             };
             x.iter_mut().zip(&f).for_each(|(x, f)| *x += f);
         }
@@ -468,7 +557,7 @@ mod tests {
             let mut rng = rand::rngs::StdRng::seed_from_u64(99);
             let x: Vec<f32> = (0..n * 64).map(|_| rng.gen_range(-1f32..1.0)).collect();
             for k in 1..=6 {
-                let fast = m.forward(Isa::detect(), &x, n, k).unwrap();
+                let fast = m.forward(Isa::detect(), &x, n, k, None).unwrap().0;
                 let slow = m.forward_reference(&x, n, k);
                 let scale = slow.iter().fold(0f32, |a, v| a.max(v.abs()));
                 for (a, b) in fast.iter().zip(&slow) {
@@ -476,7 +565,10 @@ mod tests {
                 }
                 // Batched equals token-by-token bit for bit.
                 for t in 0..n {
-                    let one = m.forward(Isa::detect(), &x[t * 64..(t + 1) * 64], 1, k).unwrap();
+                    let one = m
+                        .forward(Isa::detect(), &x[t * 64..(t + 1) * 64], 1, k, None)
+                        .unwrap()
+                        .0;
                     assert_eq!(one, fast[t * 64..(t + 1) * 64]);
                 }
             }
@@ -502,7 +594,7 @@ mod tests {
     fn a_failing_expert_read_is_an_error_not_a_panic() {
         let mut m = moe(RouterKind::TopKSoftmax, 5);
         m.experts = Arc::new(InMemoryExpertSource::new());
-        let e = m.forward(Isa::detect(), &[0.1; 64], 1, 2).unwrap_err();
+        let e = m.forward(Isa::detect(), &[0.1; 64], 1, 2, None).unwrap_err();
         assert!(e.to_string().contains("no expert record for layer 3"), "{e}");
     }
 }

@@ -5,6 +5,7 @@
 pub mod config;
 pub mod cpu;
 pub mod error;
+pub mod experts;
 pub mod generate;
 pub mod layers;
 pub mod linear;
@@ -16,8 +17,9 @@ pub mod text;
 pub mod weights;
 
 pub use error::{ModelError, Result};
+pub use experts::{convert_model, parse_size, ExpertMode, ExpertOptions};
 pub use generate::{FinishReason, GenerateParams, GenerationStats, Pipeline, Prompt};
-pub use layers::{DecoderModel, ForwardOptions, ModelInfo, RouterKind};
+pub use layers::{DecoderModel, ForwardOptions, ModelInfo, PrefetchMode, RouterKind};
 pub use models::{load_model, load_model_with, supported_model_types};
 pub use sampling::SamplingParams;
 pub use text::{ChatMessage, TextCodec};

@@ -153,6 +153,8 @@ pub struct KvCache {
     pub layers: Vec<LayerKv>,
     /// Positions cached.
     pub len: usize,
+    /// Per layer, the experts the last token was routed to (the prev-token prefetch prediction).
+    pub last_experts: Vec<Vec<usize>>,
 }
 
 impl KvCache {
@@ -161,6 +163,7 @@ impl KvCache {
         Self {
             layers: vec![LayerKv::default(); layers],
             len: 0,
+            last_experts: vec![Vec::new(); layers],
         }
     }
 

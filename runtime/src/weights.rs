@@ -3,11 +3,12 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use expert_store::{Checkpoint, Dtype, StackedExperts, TensorInfo};
+use expert_store::{Checkpoint, Dtype, PackedStore, StackedExperts, TensorInfo};
 
 use crate::config::ModelConfig;
 use crate::cpu::FloatType;
 use crate::error::{ModelError, Result};
+use crate::experts::ExpertOptions;
 use crate::linear::{Linear, WeightFormat};
 use crate::quant::QuantMode;
 
@@ -19,6 +20,10 @@ pub struct Weights {
     ckpt: Arc<Checkpoint>,
     config: ModelConfig,
     prefix: &'static str,
+    /// How expert records are served.
+    pub(crate) expert_opts: ExpertOptions,
+    /// The packed store the experts come from, if any.
+    pub(crate) store: Option<Arc<PackedStore>>,
 }
 
 fn float_type(d: Dtype) -> Option<FloatType> {
@@ -46,7 +51,13 @@ impl Weights {
         } else {
             ""
         };
-        Ok(Self { ckpt, config, prefix })
+        Ok(Self {
+            ckpt,
+            config,
+            prefix,
+            expert_opts: ExpertOptions::default(),
+            store: None,
+        })
     }
 
     /// The parsed config.

@@ -6,10 +6,11 @@ mod qwen3_moe;
 use std::path::Path;
 use std::sync::Arc;
 
-use expert_store::{ExpertSource, MmapExpertSource};
+use expert_store::ExpertSource;
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
+use crate::experts::{open_source, ExpertOptions, ModelLocation};
 use crate::layers::{Attention, DecoderLayer, DecoderModel, Ffn, Mlp, ModelInfo, RouterKind, SparseMoe};
 use crate::ops::{AttnShape, Rope};
 use crate::weights::Weights;
@@ -24,19 +25,27 @@ pub fn supported_model_types() -> Vec<&'static str> {
     REGISTRY.iter().map(|(n, _)| *n).collect()
 }
 
-/// Loads the model in `dir` (MLX safetensors layout) with its experts viewed in place.
-pub fn load_model(dir: &Path) -> Result<DecoderModel> {
-    load_model_with(dir, ModelConfig::load(dir)?)
+/// Loads the model at `path` (an MLX model directory or a packed store) with default expert options.
+pub fn load_model(path: &Path) -> Result<DecoderModel> {
+    let loc = ModelLocation::resolve(path)?;
+    let config = ModelConfig::load(loc.model_dir())?;
+    load_model_with(path, config, &ExpertOptions::default())
 }
 
-/// Like [`load_model`], with `config.json` already parsed.
-pub fn load_model_with(dir: &Path, config: ModelConfig) -> Result<DecoderModel> {
+/// Loads the model at `path` (an MLX model directory or a packed store) with `config.json` already parsed.
+pub fn load_model_with(path: &Path, config: ModelConfig, opts: &ExpertOptions) -> Result<DecoderModel> {
+    let loc = ModelLocation::resolve(path)?;
+    let dir = loc.model_dir();
     let loader = REGISTRY
         .iter()
         .find(|(n, _)| *n == config.model_type)
         .map(|(_, l)| *l)
         .ok_or_else(|| ModelError::UnknownModelType(config.model_type.clone(), supported_model_types().join(", ")))?;
-    let weights = Weights::open(dir, config)?;
+    let mut weights = Weights::open(dir, config)?;
+    weights.expert_opts = opts.clone();
+    if let ModelLocation::Store(store, _) = &loc {
+        weights.store = Some(Arc::clone(store));
+    }
     if weights.checkpoint().names().any(|n| n.contains(".experts.0.")) {
         return Err(ModelError::BadTensor {
             name: "*.experts.0.*".into(),
@@ -126,7 +135,11 @@ pub(crate) fn build_decoder(w: &Weights, d: DecoderDims, plan: impl Fn(usize) ->
             stacks.push(s);
         }
     }
-    let source: Arc<dyn ExpertSource> = Arc::new(MmapExpertSource::new(w.checkpoint(), &stacks)?);
+    let source: Arc<dyn ExpertSource> = if stacks.is_empty() {
+        Arc::new(expert_store::InMemoryExpertSource::new())
+    } else {
+        open_source(w.checkpoint(), &stacks, w.store.as_deref(), &w.expert_opts)?
+    };
     let mut formats = formats.into_iter();
     let mut layers = Vec::with_capacity(d.layers);
     for (i, p) in plans.iter().enumerate() {
@@ -186,5 +199,7 @@ pub(crate) fn build_decoder(w: &Weights, d: DecoderDims, plan: impl Fn(usize) ->
         lm_head,
         eps: d.eps,
         hidden: d.hidden,
+        prefetch: w.expert_opts.prefetch,
+        expert_stacks: stacks,
     })
 }

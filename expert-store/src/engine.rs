@@ -1,0 +1,566 @@
+//! The streaming engine: expert records read by a pool of I/O threads into persistent slots, kept under
+//! a byte budget with LRU eviction, served to the decode step as they arrive.
+//!
+//! Invariants:
+//! - Slots are allocated once, at start. A slot is written only by the I/O thread that exclusively owns it
+//!   (`Arc::get_mut` proves nobody else holds it); a slot whose record is still referenced by a
+//!   computation (an [`ExpertRecord`] clone keeps the `Arc` alive) is never chosen for eviction.
+//! - Demand reads are queued ahead of prefetches; a prefetch a step turns out to need is promoted.
+//! - Prefetches only take free slots or evict entries that are neither pinned nor unused prefetches.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use lru::LruCache;
+
+use crate::aligned::AlignedBuf;
+use crate::counters::StoreCounters;
+use crate::experts::{ExpertFetch, ExpertRecord, ExpertSource};
+use crate::layout::{read_full, RecordLayout, RecordTable};
+use crate::{OwnedBytes, StoreError};
+
+type Key = (usize, usize);
+
+/// Settings of a [`StreamingSource`].
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    /// Hard budget for record slots in bytes (rounded down to whole slots, at least one).
+    pub cache_bytes: u64,
+    /// I/O threads, i.e. reads in flight at once.
+    pub io_depth: usize,
+    /// Check each packed record's checksum after reading it.
+    pub verify: bool,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self {
+            cache_bytes: 1 << 30,
+            io_depth: 8,
+            verify: true,
+        }
+    }
+}
+
+enum SlotState {
+    Loading,
+    Ready(Arc<AlignedBuf>),
+    Failed(String),
+}
+
+struct Entry {
+    state: SlotState,
+    /// Loaded by a prefetch and not yet requested by a decode step.
+    unused_prefetch: bool,
+    /// Fetches waiting for this record that have not taken it yet (it must not be evicted meanwhile).
+    waiters: usize,
+    bytes: usize,
+}
+
+struct Job {
+    key: Key,
+    buf: Arc<AlignedBuf>,
+    prefetch: bool,
+}
+
+#[derive(Default)]
+struct Queue {
+    demand: VecDeque<Job>,
+    prefetch: VecDeque<Job>,
+    in_flight: usize,
+    active_since: Option<Instant>,
+    shutdown: bool,
+}
+
+struct State {
+    entries: LruCache<Key, Entry>,
+    free: Vec<Arc<AlignedBuf>>,
+}
+
+struct Inner {
+    table: RecordTable,
+    state: Mutex<State>,
+    arrived: Condvar,
+    queue: Mutex<Queue>,
+    work: Condvar,
+    counters: Arc<StoreCounters>,
+    verify: bool,
+    slots: usize,
+    slot_len: usize,
+}
+
+/// Serves expert records from disk through a budgeted cache of persistent slots.
+pub struct StreamingSource {
+    inner: Arc<Inner>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding the lock cannot leave these structures half-updated in a way that matters
+    // more than stopping service, so keep going with the data as is.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl StreamingSource {
+    /// Starts the I/O threads and allocates the slots for `table` under `opts.cache_bytes`.
+    pub fn new(table: RecordTable, opts: &EngineOptions) -> Result<Self, StoreError> {
+        let slot_len = AlignedBuf::new(table.max_slot_len()).map(|b| b.len()).unwrap_or(0);
+        if table.is_empty() || slot_len == 0 {
+            return Err(StoreError::Engine("no expert records to serve".into()));
+        }
+        let slots = ((opts.cache_bytes / slot_len as u64) as usize).min(table.len());
+        if slots == 0 {
+            return Err(StoreError::Engine(format!(
+                "expert cache budget of {} bytes is smaller than one record slot ({slot_len} bytes)",
+                opts.cache_bytes
+            )));
+        }
+        let mut free = Vec::with_capacity(slots);
+        for _ in 0..slots {
+            let buf = AlignedBuf::new(slot_len)
+                .ok_or_else(|| StoreError::Engine(format!("cannot allocate {slots} slots of {slot_len} bytes")))?;
+            free.push(Arc::new(buf));
+        }
+        let inner = Arc::new(Inner {
+            table,
+            state: Mutex::new(State {
+                entries: LruCache::unbounded(),
+                free,
+            }),
+            arrived: Condvar::new(),
+            queue: Mutex::new(Queue::default()),
+            work: Condvar::new(),
+            counters: Arc::new(StoreCounters::default()),
+            verify: opts.verify,
+            slots,
+            slot_len,
+        });
+        let workers = (0..opts.io_depth.max(1))
+            .map(|i| {
+                let inner = Arc::clone(&inner);
+                std::thread::Builder::new()
+                    .name(format!("sluice-io-{i}"))
+                    .spawn(move || inner.worker())
+                    .map_err(|e| StoreError::Engine(format!("cannot start I/O thread: {e}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self { inner, workers })
+    }
+
+    /// Number of slots and bytes per slot.
+    pub fn slots(&self) -> (usize, usize) {
+        (self.inner.slots, self.inner.slot_len)
+    }
+
+    /// The record table being served.
+    pub fn table(&self) -> &RecordTable {
+        &self.inner.table
+    }
+
+    /// Loads every record while slots remain (fully-resident mode when the budget covers the model).
+    pub fn preload(&self) -> Result<(), StoreError> {
+        for layer in self.inner.table.layers() {
+            let experts: Vec<usize> = (0..self.inner.table.num_experts(layer)).collect();
+            let room = lock(&self.inner.state).free.len();
+            if room == 0 {
+                break;
+            }
+            let mut f = self.fetch_layer(layer, &experts[..experts.len().min(room)])?;
+            while let Some(r) = f.next_ready() {
+                r?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for StreamingSource {
+    fn drop(&mut self) {
+        lock(&self.inner.queue).shutdown = true;
+        self.inner.work.notify_all();
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+impl Inner {
+    fn layout(&self, key: Key) -> Result<&RecordLayout, StoreError> {
+        self.table.record(key.0, key.1).ok_or(StoreError::NoRecord {
+            layer: key.0,
+            expert: key.1,
+        })
+    }
+
+    /// A slot for a new read: a free one, else the least recently used entry that no computation
+    /// references and no fetch waits for. Prefetches also spare unused prefetched entries.
+    fn take_slot(&self, st: &mut State, for_prefetch: bool) -> Option<Arc<AlignedBuf>> {
+        if let Some(b) = st.free.pop() {
+            return Some(b);
+        }
+        let victim = st.entries.iter().rev().find_map(|(k, e)| match &e.state {
+            SlotState::Ready(b)
+                if Arc::strong_count(b) == 1 && e.waiters == 0 && !(for_prefetch && e.unused_prefetch) =>
+            {
+                Some(*k)
+            }
+            _ => None,
+        })?;
+        let e = st.entries.pop(&victim)?;
+        if e.unused_prefetch {
+            self.counters.prefetch_wasted.fetch_add(1, Relaxed);
+            self.counters.prefetch_wasted_bytes.fetch_add(e.bytes as u64, Relaxed);
+        }
+        match e.state {
+            SlotState::Ready(b) => Some(b),
+            _ => None,
+        }
+    }
+
+    fn submit(&self, st: &mut State, key: Key, buf: Arc<AlignedBuf>, prefetch: bool) -> Result<(), StoreError> {
+        let bytes = self.layout(key)?.read_len();
+        st.entries.put(
+            key,
+            Entry {
+                state: SlotState::Loading,
+                unused_prefetch: prefetch,
+                waiters: usize::from(!prefetch),
+                bytes,
+            },
+        );
+        let mut q = lock(&self.queue);
+        let job = Job { key, buf, prefetch };
+        if prefetch {
+            q.prefetch.push_back(job);
+        } else {
+            q.demand.push_back(job);
+        }
+        drop(q);
+        self.work.notify_one();
+        Ok(())
+    }
+
+    /// Moves a queued prefetch of `key` to the demand queue (it is needed now).
+    fn promote(&self, key: Key) {
+        let mut q = lock(&self.queue);
+        if let Some(i) = q.prefetch.iter().position(|j| j.key == key) {
+            if let Some(job) = q.prefetch.remove(i) {
+                q.demand.push_back(job);
+            }
+        }
+    }
+
+    fn worker(&self) {
+        loop {
+            let job = {
+                let mut q = lock(&self.queue);
+                loop {
+                    if q.shutdown {
+                        return;
+                    }
+                    if let Some(j) = q.demand.pop_front().or_else(|| q.prefetch.pop_front()) {
+                        if q.in_flight == 0 {
+                            q.active_since = Some(Instant::now());
+                        }
+                        q.in_flight += 1;
+                        break j;
+                    }
+                    q = self.work.wait(q).unwrap_or_else(|e| e.into_inner());
+                }
+            };
+            let Job { key, mut buf, prefetch } = job;
+            let started = Instant::now();
+            let result = self.load(key, &mut buf);
+            let took = started.elapsed();
+            {
+                let mut q = lock(&self.queue);
+                q.in_flight -= 1;
+                if q.in_flight == 0 {
+                    if let Some(t) = q.active_since.take() {
+                        self.counters
+                            .read_active_ns
+                            .fetch_add(t.elapsed().as_nanos() as u64, Relaxed);
+                    }
+                }
+            }
+            let c = &self.counters;
+            c.read_busy_ns.fetch_add(took.as_nanos() as u64, Relaxed);
+            c.read_latency.observe(took);
+            let mut st = lock(&self.state);
+            let state = match result {
+                Ok(bytes) => {
+                    c.reads.fetch_add(1, Relaxed);
+                    let counter = if prefetch { &c.prefetch_bytes } else { &c.demand_bytes };
+                    counter.fetch_add(bytes as u64, Relaxed);
+                    SlotState::Ready(buf)
+                }
+                Err(msg) => {
+                    c.read_errors.fetch_add(1, Relaxed);
+                    tracing::warn!("{msg}");
+                    st.free.push(buf);
+                    SlotState::Failed(msg)
+                }
+            };
+            if let Some(e) = st.entries.peek_mut(&key) {
+                e.state = state;
+            }
+            drop(st);
+            self.arrived.notify_all();
+        }
+    }
+
+    /// Fills `buf` with record `key`; returns the bytes read or a message naming the record and file.
+    fn load(&self, key: Key, buf: &mut Arc<AlignedBuf>) -> Result<usize, String> {
+        let (layer, expert) = key;
+        let fail = |what: String| format!("expert record layer {layer} expert {expert}: {what}");
+        let layout = self.layout(key).map_err(|e| fail(e.to_string()))?;
+        let slot = Arc::get_mut(buf).ok_or_else(|| fail("slot still referenced (engine bug)".into()))?;
+        let slot = slot.as_mut_slice();
+        let mut total = 0;
+        for r in &layout.reads {
+            let file = &self.table.files[r.file];
+            let dst = slot
+                .get_mut(r.slot_offset..r.slot_offset + r.len)
+                .ok_or_else(|| fail("record larger than its slot".into()))?;
+            total += read_full(file.as_ref(), dst, r.offset, r.needed).map_err(|e| {
+                fail(format!(
+                    "{}: read of {} bytes at {}: {e}",
+                    file.path().display(),
+                    r.len,
+                    r.offset
+                ))
+            })?;
+        }
+        if let (true, Some(want), [r]) = (self.verify, layout.checksum, layout.reads.as_slice()) {
+            let got = xxhash_rust::xxh3::xxh3_64(&slot[r.slot_offset..r.slot_offset + r.len]);
+            if got != want {
+                return Err(fail(format!(
+                    "{}: checksum mismatch at offset {} (stored {want:016x}, read {got:016x}); the store is corrupt, \
+                     run `sluice inspect --verify`",
+                    self.table.files[r.file].path().display(),
+                    r.offset
+                )));
+            }
+        }
+        Ok(total)
+    }
+
+    fn record_of(&self, key: Key, buf: &Arc<AlignedBuf>) -> Result<ExpertRecord, StoreError> {
+        let whole = OwnedBytes::new(Arc::clone(buf) as Arc<dyn AsRef<[u8]> + Send + Sync>);
+        let parts = (self.layout(key)?.parts.iter())
+            .map(|&(off, len)| whole.slice(off..off + len))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| StoreError::Engine("record part outside its slot".into()))?;
+        Ok(ExpertRecord { parts })
+    }
+}
+
+/// What a waiting fetch found for one of its records.
+enum Arrival {
+    Ready(ExpertRecord),
+    Failed(String),
+    Lost,
+}
+
+/// One layer's requested records, handed out as they become resident.
+struct LayerFetch<'a> {
+    inner: &'a Inner,
+    layer: usize,
+    experts: Vec<usize>,
+    /// Positions already pinned (hits), served first.
+    ready: Vec<(usize, ExpertRecord)>,
+    /// Positions whose read is queued or in flight.
+    waiting: Vec<usize>,
+    /// Positions with no slot yet (the budget is smaller than the layer's working set).
+    unsubmitted: VecDeque<usize>,
+}
+
+impl LayerFetch<'_> {
+    fn submit_pending(&mut self, st: &mut State) -> Result<(), StoreError> {
+        while let Some(&pos) = self.unsubmitted.front() {
+            let Some(buf) = self.inner.take_slot(st, false) else {
+                break;
+            };
+            self.unsubmitted.pop_front();
+            self.inner.submit(st, (self.layer, self.experts[pos]), buf, false)?;
+            self.waiting.push(pos);
+        }
+        Ok(())
+    }
+
+    fn wait_next(&mut self) -> Result<(usize, ExpertRecord), StoreError> {
+        let inner = self.inner;
+        let started = Instant::now();
+        let mut st = lock(&inner.state);
+        let result = loop {
+            self.submit_pending(&mut st)?;
+            let mut found = None;
+            for (i, &pos) in self.waiting.iter().enumerate() {
+                let key = (self.layer, self.experts[pos]);
+                match st.entries.get_mut(&key).map(|e| (&e.state, &mut e.waiters)) {
+                    Some((SlotState::Ready(b), waiters)) => {
+                        *waiters = waiters.saturating_sub(1);
+                        found = Some((i, Arrival::Ready(inner.record_of(key, b)?)));
+                        break;
+                    }
+                    Some((SlotState::Failed(msg), _)) => {
+                        found = Some((i, Arrival::Failed(msg.clone())));
+                        st.entries.pop(&key);
+                        break;
+                    }
+                    Some((SlotState::Loading, _)) => {}
+                    // Cannot happen (loading entries are never evicted); request it again rather than hang.
+                    None => {
+                        found = Some((i, Arrival::Lost));
+                        break;
+                    }
+                }
+            }
+            match found {
+                Some((i, Arrival::Ready(rec))) => break Ok((self.waiting.swap_remove(i), rec)),
+                Some((i, Arrival::Failed(msg))) => {
+                    self.waiting.swap_remove(i);
+                    break Err(StoreError::Read(msg));
+                }
+                Some((i, Arrival::Lost)) => {
+                    let pos = self.waiting.swap_remove(i);
+                    self.unsubmitted.push_back(pos);
+                }
+                None if self.waiting.is_empty() && !self.unsubmitted.is_empty() => {
+                    let busy = lock(&inner.queue);
+                    let idle = busy.in_flight == 0 && busy.demand.is_empty() && busy.prefetch.is_empty();
+                    drop(busy);
+                    if idle {
+                        break Err(StoreError::Engine(format!(
+                            "expert cache of {} slots is too small: every slot is held by a computation",
+                            inner.slots
+                        )));
+                    }
+                    st = inner.arrived.wait(st).unwrap_or_else(|e| e.into_inner());
+                }
+                None => st = inner.arrived.wait(st).unwrap_or_else(|e| e.into_inner()),
+            }
+        };
+        inner
+            .counters
+            .io_wait_ns
+            .fetch_add(started.elapsed().as_nanos() as u64, Relaxed);
+        result
+    }
+}
+
+impl Drop for LayerFetch<'_> {
+    fn drop(&mut self) {
+        if self.waiting.is_empty() {
+            return;
+        }
+        // Abandoned (an error, or the caller stopped early): these records may be evicted again.
+        let mut st = lock(&self.inner.state);
+        for &pos in &self.waiting {
+            if let Some(e) = st.entries.peek_mut(&(self.layer, self.experts[pos])) {
+                e.waiters = e.waiters.saturating_sub(1);
+            }
+        }
+    }
+}
+
+impl ExpertFetch for LayerFetch<'_> {
+    fn next_ready(&mut self) -> Option<Result<(usize, ExpertRecord), StoreError>> {
+        if let Some(r) = self.ready.pop() {
+            return Some(Ok(r));
+        }
+        if self.waiting.is_empty() && self.unsubmitted.is_empty() {
+            return None;
+        }
+        Some(self.wait_next())
+    }
+}
+
+impl ExpertSource for StreamingSource {
+    fn read_expert(&self, layer: usize, expert: usize) -> Result<ExpertRecord, StoreError> {
+        let mut f = self.fetch_layer(layer, &[expert])?;
+        f.next_ready()
+            .ok_or(StoreError::NoRecord { layer, expert })?
+            .map(|(_, r)| r)
+    }
+
+    fn fetch_layer<'a>(&'a self, layer: usize, experts: &[usize]) -> Result<Box<dyn ExpertFetch + 'a>, StoreError> {
+        let inner = &*self.inner;
+        for &e in experts {
+            inner.layout((layer, e))?;
+        }
+        let mut f = LayerFetch {
+            inner,
+            layer,
+            experts: experts.to_vec(),
+            ready: Vec::new(),
+            waiting: Vec::new(),
+            unsubmitted: VecDeque::new(),
+        };
+        let c = &inner.counters;
+        let mut st = lock(&inner.state);
+        for (pos, &e) in experts.iter().enumerate() {
+            let key = (layer, e);
+            let mut failed = false;
+            match st.entries.get_mut(&key) {
+                Some(entry) => {
+                    if std::mem::take(&mut entry.unused_prefetch) {
+                        c.prefetch_hits.fetch_add(1, Relaxed);
+                    }
+                    match &entry.state {
+                        SlotState::Ready(b) => {
+                            let b = Arc::clone(b);
+                            c.hits.fetch_add(1, Relaxed);
+                            f.ready.push((pos, inner.record_of(key, &b)?));
+                        }
+                        SlotState::Loading => {
+                            entry.waiters += 1;
+                            c.misses.fetch_add(1, Relaxed);
+                            inner.promote(key);
+                            f.waiting.push(pos);
+                        }
+                        SlotState::Failed(_) => failed = true,
+                    }
+                }
+                None => {
+                    c.misses.fetch_add(1, Relaxed);
+                    f.unsubmitted.push_back(pos);
+                }
+            }
+            if failed {
+                // A failed prefetch: forget it and read again on demand.
+                st.entries.pop(&key);
+                c.misses.fetch_add(1, Relaxed);
+                f.unsubmitted.push_back(pos);
+            }
+        }
+        // Hits are handed out in request order (popped from the back).
+        f.ready.reverse();
+        f.submit_pending(&mut st)?;
+        Ok(Box::new(f))
+    }
+
+    fn prefetch(&self, layer: usize, experts: &[usize]) {
+        let inner = &*self.inner;
+        let mut st = lock(&inner.state);
+        for &e in experts {
+            let key = (layer, e);
+            if inner.table.record(layer, e).is_none() || st.entries.contains(&key) {
+                continue;
+            }
+            let Some(buf) = inner.take_slot(&mut st, true) else {
+                break;
+            };
+            if inner.submit(&mut st, key, buf, true).is_ok() {
+                inner.counters.prefetch_issued.fetch_add(1, Relaxed);
+            }
+        }
+    }
+
+    fn counters(&self) -> Option<Arc<StoreCounters>> {
+        Some(Arc::clone(&self.inner.counters))
+    }
+}

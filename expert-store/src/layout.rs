@@ -1,0 +1,251 @@
+//! Where each expert record's bytes live on disk and where they land in a slot.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::{Checkpoint, StackedExperts, StoreError};
+
+/// Alignment O_DIRECT reads need for offset, length and buffer on the filesystems we target.
+pub const DIRECT_ALIGN: u64 = 4096;
+
+/// Alignment of each part inside a slot when reads are buffered (enough for any SIMD load).
+const PART_ALIGN: usize = 64;
+
+/// A file that can be read at an offset from several threads (the seam for fault injection in tests).
+pub trait ReadAt: Send + Sync {
+    /// Reads up to `buf.len()` bytes at `offset`; returns how many (0 at end of file).
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize>;
+    /// The file's path, for error messages.
+    fn path(&self) -> &Path;
+}
+
+/// A file read with `pread`, optionally bypassing the page cache.
+pub struct PosixFile {
+    file: File,
+    path: PathBuf,
+}
+
+impl PosixFile {
+    /// Opens `path` read-only; `direct` asks for O_DIRECT (Linux) or F_NOCACHE (macOS).
+    pub fn open(path: &Path, direct: bool) -> Result<Self, StoreError> {
+        let io = |source| StoreError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let mut opts = std::fs::OpenOptions::new();
+        opts.read(true);
+        #[cfg(target_os = "linux")]
+        if direct {
+            use std::os::unix::fs::OpenOptionsExt;
+            opts.custom_flags(nix::libc::O_DIRECT);
+        }
+        let file = opts.open(path).map_err(io)?;
+        #[cfg(target_os = "macos")]
+        if direct {
+            nix::fcntl::fcntl(&file, nix::fcntl::FcntlArg::F_NOCACHE(true)).map_err(|e| io(e.into()))?;
+        }
+        #[cfg(not(any(target_os = "linux", target_os = "macos")))]
+        let _ = direct;
+        Ok(Self {
+            file,
+            path: path.to_path_buf(),
+        })
+    }
+}
+
+impl ReadAt for PosixFile {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        let offset = i64::try_from(offset).map_err(|_| io::Error::other("offset beyond i64"))?;
+        Ok(nix::sys::uio::pread(&self.file, buf, offset)?)
+    }
+    fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// Reads exactly `buf.len()` bytes at `offset`, retrying short reads; fewer bytes only at end of file
+/// when `allow_eof_after` bytes have already been read (the tail of an O_DIRECT-aligned read).
+pub fn read_full(f: &dyn ReadAt, buf: &mut [u8], offset: u64, allow_eof_after: usize) -> io::Result<usize> {
+    let mut done = 0;
+    while done < buf.len() {
+        match f.read_at(&mut buf[done..], offset + done as u64) {
+            Ok(0) if done >= allow_eof_after => break,
+            Ok(0) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!("short read: {done} of {} bytes at offset {offset}", buf.len()),
+                ))
+            }
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(done)
+}
+
+/// One positional read of a record: `len` bytes of file `file` at `offset` into the slot at `slot_offset`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadOp {
+    /// Index into [`RecordTable::files`].
+    pub file: usize,
+    /// Byte offset in the file.
+    pub offset: u64,
+    /// Bytes to read.
+    pub len: usize,
+    /// Where in the slot they go.
+    pub slot_offset: usize,
+    /// Bytes that must exist (the rest of `len` may run past the end of the file).
+    pub needed: usize,
+}
+
+/// How to load one record into a slot and where its parts are once loaded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordLayout {
+    /// The reads that fill the slot (one for a packed record, one per part in place).
+    pub reads: Vec<ReadOp>,
+    /// Each part's (offset, length) in the slot, in record order.
+    pub parts: Vec<(usize, usize)>,
+    /// xxh3-64 of the bytes of the single read, when the store keeps checksums.
+    pub checksum: Option<u64>,
+}
+
+impl RecordLayout {
+    /// Slot bytes this record occupies.
+    pub fn slot_len(&self) -> usize {
+        self.reads.iter().map(|r| r.slot_offset + r.len).max().unwrap_or(0)
+    }
+
+    /// Bytes read from disk to load it.
+    pub fn read_len(&self) -> usize {
+        self.reads.iter().map(|r| r.len).sum()
+    }
+}
+
+/// Every record of a model: the files and, per layer, one layout per expert.
+pub struct RecordTable {
+    /// The files reads refer to.
+    pub files: Vec<Arc<dyn ReadAt>>,
+    layers: HashMap<usize, Vec<RecordLayout>>,
+}
+
+impl RecordTable {
+    /// A table from parts: `files` and `(layer, per-expert layouts)`.
+    pub fn new(files: Vec<Arc<dyn ReadAt>>, layers: HashMap<usize, Vec<RecordLayout>>) -> Self {
+        Self { files, layers }
+    }
+
+    /// Records straight from the stacked tensors of the original safetensors: one read per part.
+    pub fn in_place(ckpt: &Checkpoint, stacks: &[StackedExperts], direct: bool) -> Result<Self, StoreError> {
+        let mut file_ids: HashMap<PathBuf, usize> = HashMap::new();
+        let mut files: Vec<Arc<dyn ReadAt>> = Vec::new();
+        let mut layers = HashMap::new();
+        for s in stacks {
+            let mut comps = Vec::new();
+            for name in &s.tensors {
+                let t = ckpt.require(name)?;
+                let total = t.bytes().len();
+                if s.num_experts == 0 || t.shape.first() != Some(&s.num_experts) || !total.is_multiple_of(s.num_experts)
+                {
+                    return Err(StoreError::BadTensor {
+                        name: name.clone(),
+                        message: format!("shape {:?} does not hold {} stacked experts", t.shape, s.num_experts),
+                    });
+                }
+                let id = match file_ids.get(&t.file) {
+                    Some(&id) => id,
+                    None => {
+                        files.push(Arc::new(PosixFile::open(&t.file, direct)?));
+                        file_ids.insert(t.file.clone(), files.len() - 1);
+                        files.len() - 1
+                    }
+                };
+                comps.push((id, t.offset, total / s.num_experts));
+            }
+            let records = (0..s.num_experts)
+                .map(|e| {
+                    let mut cursor = 0usize;
+                    let mut reads = Vec::new();
+                    let mut parts = Vec::new();
+                    for &(file, base, stride) in &comps {
+                        let offset = base + (e * stride) as u64;
+                        let (start, lead, len) = if direct {
+                            let start = offset / DIRECT_ALIGN * DIRECT_ALIGN;
+                            let lead = (offset - start) as usize;
+                            (
+                                start,
+                                lead,
+                                (lead + stride).div_ceil(DIRECT_ALIGN as usize) * DIRECT_ALIGN as usize,
+                            )
+                        } else {
+                            (offset, 0, stride)
+                        };
+                        let align = if direct { DIRECT_ALIGN as usize } else { PART_ALIGN };
+                        cursor = cursor.div_ceil(align) * align;
+                        reads.push(ReadOp {
+                            file,
+                            offset: start,
+                            len,
+                            slot_offset: cursor,
+                            needed: lead + stride,
+                        });
+                        parts.push((cursor + lead, stride));
+                        cursor += len;
+                    }
+                    RecordLayout {
+                        reads,
+                        parts,
+                        checksum: None,
+                    }
+                })
+                .collect();
+            layers.insert(s.layer, records);
+        }
+        Ok(Self { files, layers })
+    }
+
+    /// The layout of expert `expert` in layer `layer`.
+    pub fn record(&self, layer: usize, expert: usize) -> Option<&RecordLayout> {
+        self.layers.get(&layer)?.get(expert)
+    }
+
+    /// Experts in `layer` (0 when the layer has none).
+    pub fn num_experts(&self, layer: usize) -> usize {
+        self.layers.get(&layer).map_or(0, Vec::len)
+    }
+
+    /// Layers that have records, ascending.
+    pub fn layers(&self) -> Vec<usize> {
+        let mut v: Vec<usize> = self.layers.keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// The largest slot any record needs.
+    pub fn max_slot_len(&self) -> usize {
+        self.layers
+            .values()
+            .flatten()
+            .map(RecordLayout::slot_len)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Total bytes read to load every record once.
+    pub fn total_read_bytes(&self) -> u64 {
+        self.layers.values().flatten().map(|r| r.read_len() as u64).sum()
+    }
+
+    /// Number of records.
+    pub fn len(&self) -> usize {
+        self.layers.values().map(Vec::len).sum()
+    }
+
+    /// True when the table has no records.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}

@@ -1,0 +1,423 @@
+//! The packed store: one contiguous, 16 KiB-aligned record per (layer, expert) in `experts.bin`, described
+//! by a versioned manifest `sluice-store.json` with a checksum per record. Non-expert weights and the
+//! tokenizer stay in the original model directory, which the manifest references.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::aligned::SLOT_ALIGN;
+use crate::layout::{read_full, PosixFile, ReadAt, ReadOp, RecordLayout, RecordTable};
+use crate::{Checkpoint, StackedExperts, StoreError};
+
+/// File name of the manifest inside a store directory.
+pub const MANIFEST_FILE: &str = "sluice-store.json";
+/// File name of the record data inside a store directory.
+pub const DATA_FILE: &str = "experts.bin";
+/// The manifest's `format` field.
+const FORMAT: &str = "sluice-expert-store";
+/// Manifest version this build writes and reads.
+pub const STORE_VERSION: u32 = 1;
+/// Alignment of each part inside a record.
+const PART_ALIGN: u64 = 64;
+
+/// The manifest of a packed store.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Always `sluice-expert-store`.
+    pub format: String,
+    /// Layout version.
+    pub version: u32,
+    /// The model directory holding config, tokenizer and non-expert weights.
+    pub model_dir: PathBuf,
+    /// Record data file, relative to the store directory.
+    pub data_file: String,
+    /// Exact length of the data file.
+    pub data_len: u64,
+    /// Alignment of every record's offset and length.
+    pub record_align: u64,
+    /// Checksum algorithm of the records (`xxh3-64`).
+    pub checksum: String,
+    /// One entry per MoE layer.
+    pub layers: Vec<LayerManifest>,
+}
+
+/// The records of one layer.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LayerManifest {
+    /// Layer index.
+    pub layer: usize,
+    /// Stored record length (padded).
+    pub record_len: u64,
+    /// The tensors each record holds a slice of, in record order.
+    pub parts: Vec<PartManifest>,
+    /// One per expert, by expert index.
+    pub records: Vec<RecordManifest>,
+}
+
+/// One component tensor of a record.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PartManifest {
+    /// Stacked tensor name in the model's safetensors.
+    pub tensor: String,
+    /// Its dtype as safetensors spells it.
+    pub dtype: String,
+    /// Its stacked shape (experts first).
+    pub shape: Vec<usize>,
+    /// Offset of this part inside the record.
+    pub offset: u64,
+    /// Bytes of one expert's slice.
+    pub len: u64,
+}
+
+/// Where one record is and what it hashes to.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RecordManifest {
+    /// Offset in the data file.
+    pub offset: u64,
+    /// xxh3-64 of all `record_len` stored bytes, padding included, as 16 hex digits.
+    pub xxh3: String,
+}
+
+/// An opened, validated packed store.
+pub struct PackedStore {
+    dir: PathBuf,
+    manifest: Manifest,
+}
+
+fn bad(path: &Path, message: impl Into<String>) -> StoreError {
+    StoreError::BadStore {
+        path: path.to_path_buf(),
+        message: message.into(),
+    }
+}
+
+fn io_err(path: &Path) -> impl Fn(std::io::Error) -> StoreError + '_ {
+    move |source| StoreError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// True when `dir` holds a packed store manifest.
+pub fn is_store(dir: &Path) -> bool {
+    dir.join(MANIFEST_FILE).is_file()
+}
+
+fn parse_hash(s: &str) -> Option<u64> {
+    (s.len() == 16).then(|| u64::from_str_radix(s, 16).ok()).flatten()
+}
+
+impl PackedStore {
+    /// Opens the store in `dir`, checking the manifest's structure and the data file's length.
+    pub fn open(dir: &Path) -> Result<Self, StoreError> {
+        let mpath = dir.join(MANIFEST_FILE);
+        let text = std::fs::read_to_string(&mpath).map_err(io_err(&mpath))?;
+        let manifest: Manifest =
+            serde_json::from_str(&text).map_err(|e| bad(&mpath, format!("not a valid store manifest: {e}")))?;
+        if manifest.format != FORMAT {
+            return Err(bad(
+                &mpath,
+                format!("format is `{}`, expected `{FORMAT}`", manifest.format),
+            ));
+        }
+        if manifest.version != STORE_VERSION {
+            return Err(bad(
+                &mpath,
+                format!(
+                    "store version {} is not supported by this build (version {STORE_VERSION}); convert again",
+                    manifest.version
+                ),
+            ));
+        }
+        if manifest.checksum != "xxh3-64" || manifest.record_align == 0 || !manifest.record_align.is_multiple_of(4096) {
+            return Err(bad(&mpath, "unsupported checksum or record alignment"));
+        }
+        let dpath = dir.join(&manifest.data_file);
+        let len = std::fs::metadata(&dpath).map_err(io_err(&dpath))?.len();
+        if len != manifest.data_len {
+            return Err(bad(
+                &dpath,
+                format!(
+                    "is {len} bytes, the manifest says {} (truncated or replaced?)",
+                    manifest.data_len
+                ),
+            ));
+        }
+        for l in &manifest.layers {
+            let at = |what: String| bad(&mpath, format!("layer {}: {what}", l.layer));
+            if !l.record_len.is_multiple_of(manifest.record_align) {
+                return Err(at(format!("record length {} is not aligned", l.record_len)));
+            }
+            for p in &l.parts {
+                if p.offset.checked_add(p.len).is_none_or(|end| end > l.record_len) {
+                    return Err(at(format!("part `{}` lies outside the record", p.tensor)));
+                }
+            }
+            for (e, r) in l.records.iter().enumerate() {
+                if !r.offset.is_multiple_of(manifest.record_align)
+                    || r.offset
+                        .checked_add(l.record_len)
+                        .is_none_or(|end| end > manifest.data_len)
+                    || parse_hash(&r.xxh3).is_none()
+                {
+                    return Err(at(format!("record of expert {e} has a bad offset or checksum field")));
+                }
+            }
+        }
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            manifest,
+        })
+    }
+
+    /// The manifest.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// The store directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Path of the record data file.
+    pub fn data_path(&self) -> PathBuf {
+        self.dir.join(&self.manifest.data_file)
+    }
+
+    /// The model directory with config, tokenizer and non-expert weights (relative paths resolve from the
+    /// store directory).
+    pub fn model_dir(&self) -> PathBuf {
+        self.dir.join(&self.manifest.model_dir)
+    }
+
+    /// Checks that the manifest describes exactly the experts `stacks` of `ckpt` (names, dtypes, shapes).
+    pub fn check_against(&self, ckpt: &Checkpoint, stacks: &[StackedExperts]) -> Result<(), StoreError> {
+        let mpath = self.dir.join(MANIFEST_FILE);
+        let by_layer: HashMap<usize, &LayerManifest> = self.manifest.layers.iter().map(|l| (l.layer, l)).collect();
+        if by_layer.len() != stacks.len() {
+            return Err(bad(
+                &mpath,
+                format!(
+                    "has {} expert layers, the model has {}; it was converted from another model",
+                    by_layer.len(),
+                    stacks.len()
+                ),
+            ));
+        }
+        for s in stacks {
+            let l = by_layer.get(&s.layer).ok_or_else(|| {
+                bad(
+                    &mpath,
+                    format!("has no layer {}; it was converted from another model", s.layer),
+                )
+            })?;
+            let want = expected_parts(ckpt, s)?;
+            let got: Vec<(&str, &str, &[usize], u64)> = (l.parts.iter())
+                .map(|p| (p.tensor.as_str(), p.dtype.as_str(), p.shape.as_slice(), p.len))
+                .collect();
+            let want: Vec<(&str, &str, &[usize], u64)> = (want.iter())
+                .map(|p| (p.tensor.as_str(), p.dtype.as_str(), p.shape.as_slice(), p.len))
+                .collect();
+            if got != want || l.records.len() != s.num_experts {
+                return Err(bad(
+                    &mpath,
+                    format!(
+                        "layer {} disagrees with the model: store has {} experts of {:?}, model has {} of {:?}",
+                        s.layer,
+                        l.records.len(),
+                        got,
+                        s.num_experts,
+                        want
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The record table for the engine; `direct` opens the data file with O_DIRECT / F_NOCACHE.
+    pub fn table(&self, direct: bool) -> Result<RecordTable, StoreError> {
+        self.table_over(Arc::new(PosixFile::open(&self.data_path(), direct)?))
+    }
+
+    /// The record table reading through `file` (tests inject faults here).
+    pub fn table_over(&self, file: Arc<dyn ReadAt>) -> Result<RecordTable, StoreError> {
+        let mut layers = HashMap::new();
+        for l in &self.manifest.layers {
+            let parts: Vec<(usize, usize)> = l.parts.iter().map(|p| (p.offset as usize, p.len as usize)).collect();
+            let records = (l.records.iter())
+                .map(|r| RecordLayout {
+                    reads: vec![ReadOp {
+                        file: 0,
+                        offset: r.offset,
+                        len: l.record_len as usize,
+                        slot_offset: 0,
+                        needed: l.record_len as usize,
+                    }],
+                    parts: parts.clone(),
+                    checksum: parse_hash(&r.xxh3),
+                })
+                .collect();
+            layers.insert(l.layer, records);
+        }
+        Ok(RecordTable::new(vec![file], layers))
+    }
+
+    /// Reads every record and checks its checksum; `progress` gets bytes done. Returns the bad records
+    /// as messages naming layer, expert and offset (empty when all are intact).
+    pub fn verify(&self, progress: &dyn Fn(u64)) -> Result<Vec<String>, StoreError> {
+        let path = self.data_path();
+        let file = PosixFile::open(&path, false)?;
+        let mut buf = Vec::new();
+        let mut bad_records = Vec::new();
+        for l in &self.manifest.layers {
+            buf.resize(l.record_len as usize, 0);
+            for (e, r) in l.records.iter().enumerate() {
+                read_full(&file, &mut buf, r.offset, l.record_len as usize).map_err(io_err(&path))?;
+                let got = xxhash_rust::xxh3::xxh3_64(&buf);
+                if Some(got) != parse_hash(&r.xxh3) {
+                    bad_records.push(format!(
+                        "layer {} expert {e} at offset {}: checksum {got:016x}, manifest says {}",
+                        l.layer, r.offset, r.xxh3
+                    ));
+                }
+                progress(l.record_len);
+            }
+        }
+        Ok(bad_records)
+    }
+}
+
+/// The parts a record of `s` holds, with offsets packed at [`PART_ALIGN`].
+fn expected_parts(ckpt: &Checkpoint, s: &StackedExperts) -> Result<Vec<PartManifest>, StoreError> {
+    let mut offset = 0u64;
+    let mut parts = Vec::new();
+    for name in &s.tensors {
+        let t = ckpt.require(name)?;
+        let total = t.bytes().len();
+        if s.num_experts == 0 || t.shape.first() != Some(&s.num_experts) || !total.is_multiple_of(s.num_experts) {
+            return Err(StoreError::BadTensor {
+                name: name.clone(),
+                message: format!("shape {:?} does not hold {} stacked experts", t.shape, s.num_experts),
+            });
+        }
+        offset = offset.div_ceil(PART_ALIGN) * PART_ALIGN;
+        let len = (total / s.num_experts) as u64;
+        parts.push(PartManifest {
+            tensor: name.clone(),
+            dtype: format!("{:?}", t.dtype),
+            shape: t.shape.clone(),
+            offset,
+            len,
+        });
+        offset += len;
+    }
+    Ok(parts)
+}
+
+/// Options of [`convert`].
+pub struct ConvertOptions<'a> {
+    /// Replace an existing store in the output directory.
+    pub force: bool,
+    /// Called with bytes written so far and the total.
+    pub progress: &'a dyn Fn(u64, u64),
+}
+
+/// Writes a packed store of `stacks` from `ckpt` into `out`, then re-reads and verifies every record.
+/// Memory stays bounded by one record; the data goes to a temporary file renamed into place at the end.
+pub fn convert(
+    ckpt: &Checkpoint,
+    stacks: &[StackedExperts],
+    out: &Path,
+    opts: &ConvertOptions,
+) -> Result<PackedStore, StoreError> {
+    if out.join(MANIFEST_FILE).exists() && !opts.force {
+        return Err(bad(out, "already holds a store; pass --force to replace it"));
+    }
+    if out.exists() && !out.join(MANIFEST_FILE).exists() {
+        let non_empty = std::fs::read_dir(out).map_err(io_err(out))?.next().is_some();
+        if non_empty {
+            return Err(bad(
+                out,
+                "exists and is not empty (and not a store); choose a new directory",
+            ));
+        }
+    }
+    std::fs::create_dir_all(out).map_err(io_err(out))?;
+    let model_dir = std::fs::canonicalize(ckpt.dir()).map_err(io_err(ckpt.dir()))?;
+    let align = SLOT_ALIGN as u64;
+    let mut layers = Vec::new();
+    let mut total = 0u64;
+    for s in stacks {
+        let parts = expected_parts(ckpt, s)?;
+        let used = parts.last().map_or(0, |p| p.offset + p.len);
+        let record_len = used.max(1).div_ceil(align) * align;
+        layers.push((s, parts, record_len));
+        total += record_len * s.num_experts as u64;
+    }
+    let tmp = out.join(format!("{DATA_FILE}.partial"));
+    let file = File::create(&tmp).map_err(io_err(&tmp))?;
+    let mut w = std::io::BufWriter::with_capacity(8 << 20, file);
+    let mut offset = 0u64;
+    let mut manifest_layers = Vec::new();
+    let mut record = Vec::new();
+    for (s, parts, record_len) in layers {
+        let tensors: Vec<_> = s.tensors.iter().map(|n| ckpt.require(n)).collect::<Result<_, _>>()?;
+        let mut records = Vec::with_capacity(s.num_experts);
+        for e in 0..s.num_experts {
+            record.clear();
+            record.resize(record_len as usize, 0);
+            for (p, t) in parts.iter().zip(&tensors) {
+                let len = p.len as usize;
+                let src = &t.bytes()[e * len..(e + 1) * len];
+                record[p.offset as usize..p.offset as usize + len].copy_from_slice(src);
+            }
+            w.write_all(&record).map_err(io_err(&tmp))?;
+            records.push(RecordManifest {
+                offset,
+                xxh3: format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&record)),
+            });
+            offset += record_len;
+            (opts.progress)(offset, total);
+        }
+        manifest_layers.push(LayerManifest {
+            layer: s.layer,
+            record_len,
+            parts,
+            records,
+        });
+    }
+    let file = w.into_inner().map_err(|e| io_err(&tmp)(e.into_error()))?;
+    file.sync_all().map_err(io_err(&tmp))?;
+    drop(file);
+    let data = out.join(DATA_FILE);
+    std::fs::rename(&tmp, &data).map_err(io_err(&data))?;
+    let manifest = Manifest {
+        format: FORMAT.into(),
+        version: STORE_VERSION,
+        model_dir,
+        data_file: DATA_FILE.into(),
+        data_len: offset,
+        record_align: align,
+        checksum: "xxh3-64".into(),
+        layers: manifest_layers,
+    };
+    let mpath = out.join(MANIFEST_FILE);
+    let mtmp = out.join(format!("{MANIFEST_FILE}.partial"));
+    let text = serde_json::to_string_pretty(&manifest).map_err(|e| bad(&mpath, e.to_string()))?;
+    std::fs::write(&mtmp, text).map_err(io_err(&mtmp))?;
+    std::fs::rename(&mtmp, &mpath).map_err(io_err(&mpath))?;
+    let store = PackedStore::open(out)?;
+    store.check_against(ckpt, stacks)?;
+    let bad_records = store.verify(&|_| {})?;
+    if let Some(first) = bad_records.first() {
+        return Err(bad(&data, format!("verification after writing failed: {first}")));
+    }
+    Ok(store)
+}

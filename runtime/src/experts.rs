@@ -1,0 +1,264 @@
+//! How expert records reach the model: viewed in place (mmap) or streamed through the expert store's
+//! engine from a packed store or from the original safetensors.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use expert_store::{
+    Checkpoint, EngineOptions, ExpertSource, MmapExpertSource, PackedStore, RecordTable, StackedExperts,
+    StreamingSource,
+};
+
+use crate::error::{ModelError, Result};
+use crate::layers::PrefetchMode;
+
+/// Where expert weights live while serving.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ExpertMode {
+    /// Resident when the experts fit comfortably in available memory, streamed otherwise.
+    #[default]
+    Auto,
+    /// All experts in memory: the safetensors mmap'd (a model directory), or every packed record
+    /// preloaded into slots (a store).
+    Resident,
+    /// Read on demand into the budgeted slot cache.
+    Stream,
+}
+
+impl std::str::FromStr for ExpertMode {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "resident" => Ok(Self::Resident),
+            "stream" => Ok(Self::Stream),
+            _ => Err(format!("unknown expert mode `{s}` (auto, resident, stream)")),
+        }
+    }
+}
+
+/// Settings for serving experts.
+#[derive(Debug, Clone)]
+pub struct ExpertOptions {
+    /// Resident or streamed.
+    pub mode: ExpertMode,
+    /// Slot cache budget in bytes when streaming (`None`: [`default_cache_bytes`]).
+    pub cache_bytes: Option<u64>,
+    /// Reads in flight at once.
+    pub io_depth: usize,
+    /// Bypass the page cache (O_DIRECT / F_NOCACHE).
+    pub direct_io: bool,
+    /// Check packed records' checksums on every read.
+    pub verify: bool,
+    /// Speculative reads during decode.
+    pub prefetch: PrefetchMode,
+}
+
+impl Default for ExpertOptions {
+    fn default() -> Self {
+        Self {
+            mode: ExpertMode::Auto,
+            cache_bytes: None,
+            io_depth: 8,
+            direct_io: false,
+            verify: true,
+            prefetch: PrefetchMode::None,
+        }
+    }
+}
+
+/// Parses a byte size: `4096`, `512K`, `512M`, `1MB`, `4GiB`, `1.5G` (powers of 1024 for K/M/G/T with or
+/// without `B`/`iB`).
+pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let unit = unit.trim().to_ascii_lowercase();
+    let mult: u64 = match unit.trim_end_matches("ib").trim_end_matches('b') {
+        "" => 1,
+        "k" => 1 << 10,
+        "m" => 1 << 20,
+        "g" => 1 << 30,
+        "t" => 1 << 40,
+        _ => {
+            return Err(format!(
+                "`{s}`: unknown size unit (use K, M, G, T, optionally with B or iB)"
+            ))
+        }
+    };
+    let v: f64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size like 512M, 4GiB or 1048576"))?;
+    if !v.is_finite() || v < 0.0 || (unit.is_empty() && num.contains('.')) {
+        return Err(format!("`{s}` is not a valid size"));
+    }
+    Ok((v * mult as f64) as u64)
+}
+
+/// Memory the OS says is available for new allocations (Linux `MemAvailable`), if known.
+pub fn available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// The default slot-cache budget: an eighth of available memory (the page cache is the second tier and
+/// gets the rest), at least 256 MiB, never more than the experts themselves.
+pub fn default_cache_bytes(total_expert_bytes: u64) -> u64 {
+    let avail = available_memory().unwrap_or(8 << 30);
+    (avail / 8).max(256 << 20).min(total_expert_bytes.max(1))
+}
+
+/// What `--model` pointed at.
+pub(crate) enum ModelLocation {
+    /// An MLX model directory.
+    Dir(PathBuf),
+    /// A packed store and the model directory it references.
+    Store(Arc<PackedStore>, PathBuf),
+}
+
+impl ModelLocation {
+    /// Detects a store (by its manifest) or a model directory.
+    pub fn resolve(path: &Path) -> Result<Self> {
+        if expert_store::is_store(path) {
+            let store = PackedStore::open(path)?;
+            let dir = store.model_dir();
+            if !dir.join("config.json").is_file() {
+                return Err(ModelError::Store(expert_store::StoreError::BadStore {
+                    path: path.join(expert_store::MANIFEST_FILE),
+                    message: format!(
+                        "references model directory {} which has no config.json (moved or deleted?)",
+                        dir.display()
+                    ),
+                }));
+            }
+            Ok(Self::Store(Arc::new(store), dir))
+        } else {
+            Ok(Self::Dir(path.to_path_buf()))
+        }
+    }
+
+    /// The directory with config, tokenizer and non-expert weights.
+    pub fn model_dir(&self) -> &Path {
+        match self {
+            Self::Dir(d) | Self::Store(_, d) => d,
+        }
+    }
+}
+
+/// Builds the expert source for `stacks` per `opts`.
+pub(crate) fn open_source(
+    ckpt: &Arc<Checkpoint>,
+    stacks: &[StackedExperts],
+    store: Option<&PackedStore>,
+    opts: &ExpertOptions,
+) -> Result<Arc<dyn ExpertSource>> {
+    let table = match store {
+        Some(s) => {
+            s.check_against(ckpt, stacks)?;
+            s.table(opts.direct_io)?
+        }
+        None => {
+            let resident = match opts.mode {
+                ExpertMode::Resident => true,
+                ExpertMode::Stream => false,
+                ExpertMode::Auto => {
+                    let bytes: u64 = (stacks.iter().flat_map(|s| &s.tensors))
+                        .filter_map(|n| ckpt.get(n))
+                        .map(|t| t.bytes().len() as u64)
+                        .sum();
+                    fits_in_memory(bytes)
+                }
+            };
+            if resident {
+                return Ok(Arc::new(MmapExpertSource::new(ckpt, stacks)?));
+            }
+            RecordTable::in_place(ckpt, stacks, opts.direct_io)?
+        }
+    };
+    let total = table.total_read_bytes();
+    let preload = match opts.mode {
+        ExpertMode::Resident => true,
+        ExpertMode::Stream => false,
+        ExpertMode::Auto => fits_in_memory(total),
+    };
+    let cache_bytes = match (preload, opts.cache_bytes) {
+        (true, _) => table.len() as u64 * (table.max_slot_len().next_multiple_of(expert_store::SLOT_ALIGN) as u64),
+        (false, Some(b)) => b,
+        (false, None) => default_cache_bytes(total),
+    };
+    let engine = StreamingSource::new(
+        table,
+        &EngineOptions {
+            cache_bytes,
+            io_depth: opts.io_depth,
+            verify: opts.verify,
+        },
+    )?;
+    let (slots, slot_len) = engine.slots();
+    tracing::info!(
+        slots,
+        slot_len,
+        cache_bytes = slots * slot_len,
+        io_depth = opts.io_depth,
+        "streaming experts"
+    );
+    if preload {
+        engine.preload()?;
+    }
+    Ok(Arc::new(engine))
+}
+
+/// Whether `bytes` fit in well under the memory available now (leaving room for the page cache, the KV
+/// cache and everything else).
+fn fits_in_memory(bytes: u64) -> bool {
+    available_memory().is_none_or(|a| bytes.saturating_mul(10) <= a.saturating_mul(6))
+}
+
+/// Packs the experts of the model directory `dir` into a store at `out` (see [`expert_store::convert`]).
+pub fn convert_model(dir: &Path, out: &Path, force: bool, progress: &dyn Fn(u64, u64)) -> Result<PackedStore> {
+    if expert_store::is_store(dir) {
+        return Err(ModelError::InvalidArgument(format!(
+            "{} is already a packed store; convert the original model directory",
+            dir.display()
+        )));
+    }
+    let config = crate::config::ModelConfig::load(dir)?;
+    let opts = ExpertOptions {
+        mode: ExpertMode::Resident,
+        ..ExpertOptions::default()
+    };
+    let model = crate::models::load_model_with(dir, config, &opts)?;
+    if model.expert_stacks.is_empty() {
+        return Err(ModelError::InvalidArgument(format!(
+            "{} has no routed experts to pack",
+            dir.display()
+        )));
+    }
+    let ckpt = Checkpoint::open(dir)?;
+    Ok(expert_store::convert(
+        &ckpt,
+        &model.expert_stacks,
+        out,
+        &expert_store::ConvertOptions { force, progress },
+    )?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_like_users_write_them() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("512M"), Ok(512 << 20));
+        assert_eq!(parse_size("1MB"), Ok(1 << 20));
+        assert_eq!(parse_size("4GiB"), Ok(4 << 30));
+        assert_eq!(parse_size("1.5g"), Ok(3 << 29));
+        assert_eq!(parse_size(" 2 K "), Ok(2048));
+        for bad in ["", "M", "12Q", "-1M", "1.5", "abc"] {
+            assert!(parse_size(bad).is_err(), "{bad}");
+        }
+    }
+}

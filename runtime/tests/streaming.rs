@@ -1,0 +1,319 @@
+//! Streamed decode equals resident decode bit for bit, whatever the cache budget, I/O depth, prefetch mode,
+//! direct or buffered reads, packed store or in-place safetensors; corrupt stores and failing reads are
+//! clear errors, never wrong tokens.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use expert_store::{EngineOptions, ExpertSource, PackedStore, PosixFile, ReadAt, StreamingSource};
+use sluice_runtime::config::ModelConfig;
+use sluice_runtime::layers::Ffn;
+use sluice_runtime::sampling::argmax;
+use sluice_runtime::{
+    convert_model, load_model_with, DecoderModel, ExpertMode, ExpertOptions, ForwardOptions, GenerateParams, Pipeline,
+    PrefetchMode, Prompt,
+};
+
+fn fixtures() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures");
+    let mut v: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("golden.json").exists())
+        .collect();
+    v.sort();
+    assert!(v.len() >= 16);
+    v
+}
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures").join(name)
+}
+
+fn load(path: &Path, opts: &ExpertOptions) -> DecoderModel {
+    let dir = if expert_store::is_store(path) {
+        PackedStore::open(path).unwrap().model_dir()
+    } else {
+        path.to_path_buf()
+    };
+    load_model_with(path, ModelConfig::load(&dir).unwrap(), opts).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Prefill of a fixed prompt then greedy decode: every step's logits, as bits.
+fn trace(m: &DecoderModel, steps: usize) -> Vec<Vec<u32>> {
+    let mut cache = m.new_cache();
+    let vocab = m.info.vocab_size as u32;
+    let prompt: Vec<u32> = (0..7).map(|i| (i * 37 + 5) % vocab).collect();
+    let mut out = Vec::new();
+    let mut logits = m.forward(&prompt, &mut cache, &ForwardOptions::default()).unwrap();
+    for _ in 0..steps {
+        out.push(logits.iter().map(|x| x.to_bits()).collect());
+        let next = argmax(&logits) as u32;
+        logits = m.forward(&[next], &mut cache, &ForwardOptions::default()).unwrap();
+    }
+    out.push(logits.iter().map(|x| x.to_bits()).collect());
+    out
+}
+
+fn resident() -> ExpertOptions {
+    ExpertOptions {
+        mode: ExpertMode::Resident,
+        ..ExpertOptions::default()
+    }
+}
+
+fn stream(cache_bytes: u64, io_depth: usize, prefetch: PrefetchMode, direct_io: bool) -> ExpertOptions {
+    ExpertOptions {
+        mode: ExpertMode::Stream,
+        cache_bytes: Some(cache_bytes),
+        io_depth,
+        direct_io,
+        verify: true,
+        prefetch,
+    }
+}
+
+#[test]
+fn streamed_equals_resident_on_every_fixture() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (i, dir) in fixtures().into_iter().enumerate() {
+        let want = trace(&load(&dir, &resident()), 5);
+        let store = tmp.path().join(format!("store{i}"));
+        convert_model(&dir, &store, false, &|_, _| {}).unwrap();
+        // Slot size: the largest record rounded to 16 KiB; a layer's worth is num_experts of them.
+        let s = PackedStore::open(&store).unwrap();
+        let slot = s.manifest().layers.iter().map(|l| l.record_len).max().unwrap();
+        let experts = s.manifest().layers[0].records.len() as u64;
+        let all = slot * experts * s.manifest().layers.len() as u64;
+        let mut configs = Vec::new();
+        for budget in [slot * experts, all / 2, all] {
+            for depth in [1, 4] {
+                for prefetch in [PrefetchMode::None, PrefetchMode::PrevToken, PrefetchMode::NextLayer] {
+                    configs.push(stream(budget.max(slot), depth, prefetch, false));
+                }
+            }
+            configs.push(stream(budget, 3, PrefetchMode::NextLayer, true));
+        }
+        for o in &configs {
+            for path in [&store, &dir] {
+                let got = trace(&load(path, o), 5);
+                assert!(
+                    got == want,
+                    "{}: streamed from {} with {o:?} differs",
+                    dir.display(),
+                    path.display()
+                );
+            }
+        }
+        // Fully resident store (every record preloaded).
+        assert!(
+            trace(&load(&store, &resident()), 5) == want,
+            "{}: resident store",
+            dir.display()
+        );
+    }
+}
+
+#[test]
+fn counters_account_for_every_read() {
+    let dir = fixture("qwen3_moe-q4g64");
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("s");
+    convert_model(&dir, &store, false, &|_, _| {}).unwrap();
+    let s = PackedStore::open(&store).unwrap();
+    let record = s.manifest().layers[0].record_len;
+    let experts = s.manifest().layers[0].records.len() as u64;
+    // Budget of exactly one layer: every layer change evicts, so misses are frequent.
+    let m = load(&store, &stream(record * experts, 2, PrefetchMode::None, false));
+    let c = m.layers.iter().find_map(|l| match &l.ffn {
+        Ffn::Moe(moe) => moe.experts.counters(),
+        _ => None,
+    });
+    let c = c.unwrap();
+    trace(&m, 6);
+    let snap = c.snapshot();
+    assert!(snap.misses > 0 && snap.hits + snap.misses > 0);
+    assert_eq!(snap.prefetch_bytes, 0);
+    assert_eq!(snap.read_errors, 0);
+    // Bytes read are exactly misses × record size: no amplification beyond the padding.
+    assert_eq!(snap.demand_bytes, snap.misses * record, "{snap:?}");
+    assert_eq!(snap.reads, snap.misses);
+    assert_eq!(snap.read_latency.count(), snap.reads);
+    assert!(
+        snap.effective_queue_depth() > 0.5 && snap.effective_queue_depth() <= 2.01,
+        "{snap:?}"
+    );
+
+    // With prefetch, predictions are counted and used ones show up as prefetch hits.
+    let m = load(&store, &stream(record * 5, 2, PrefetchMode::PrevToken, false));
+    let c = match &m.layers[0].ffn {
+        Ffn::Moe(moe) => moe.experts.counters().unwrap(),
+        _ => unreachable!(),
+    };
+    trace(&m, 8);
+    let snap = c.snapshot();
+    assert!(snap.prefetch_issued > 0, "{snap:?}");
+    assert_eq!(snap.prefetch_bytes, snap.prefetch_issued * record, "{snap:?}");
+    assert!(snap.prefetch_hits <= snap.prefetch_issued);
+    assert!(
+        snap.prefetch_wasted <= snap.prefetch_issued - snap.prefetch_hits,
+        "{snap:?}"
+    );
+    assert_eq!(snap.prefetch_wasted_bytes, snap.prefetch_wasted * record);
+}
+
+/// A file that starts failing after `ok_reads` reads.
+struct FailingFile {
+    inner: PosixFile,
+    ok_reads: AtomicUsize,
+    reads: AtomicUsize,
+}
+
+impl ReadAt for FailingFile {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+        if self.reads.fetch_add(1, Ordering::SeqCst) >= self.ok_reads.load(Ordering::SeqCst) {
+            return Err(std::io::Error::other("injected read failure"));
+        }
+        self.inner.read_at(buf, offset)
+    }
+    fn path(&self) -> &Path {
+        self.inner.path()
+    }
+}
+
+#[test]
+fn read_error_fails_one_generation_and_the_engine_recovers() {
+    let dir = fixture("qwen3_moe-q4g64");
+    let tmp = tempfile::tempdir().unwrap();
+    let store_dir = tmp.path().join("s");
+    let store = convert_model(&dir, &store_dir, false, &|_, _| {}).unwrap();
+    let failing = Arc::new(FailingFile {
+        inner: PosixFile::open(&store.data_path(), false).unwrap(),
+        ok_reads: AtomicUsize::new(5),
+        reads: AtomicUsize::new(0),
+    });
+    let engine: Arc<dyn ExpertSource> = Arc::new(
+        StreamingSource::new(
+            store.table_over(failing.clone()).unwrap(),
+            &EngineOptions {
+                cache_bytes: 1 << 20,
+                io_depth: 2,
+                verify: true,
+            },
+        )
+        .unwrap(),
+    );
+    let mut p = Pipeline::load_with(&dir, &resident()).unwrap();
+    let want = {
+        let mut text = String::new();
+        p.generate(&Prompt::Raw("The fox".into()), &params(), |t| {
+            text.push_str(t);
+            true
+        })
+        .unwrap();
+        text
+    };
+    for l in &mut p.model.layers {
+        if let Ffn::Moe(moe) = &mut l.ffn {
+            moe.experts = Arc::clone(&engine);
+        }
+    }
+    let err = p
+        .generate(&Prompt::Raw("The fox".into()), &params(), |_| true)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("injected read failure") && err.contains("expert record layer"),
+        "{err}"
+    );
+    // The disk recovers: the same engine serves the next generation, and its output is right.
+    failing.ok_reads.store(usize::MAX, Ordering::SeqCst);
+    let mut text = String::new();
+    p.generate(&Prompt::Raw("The fox".into()), &params(), |t| {
+        text.push_str(t);
+        true
+    })
+    .unwrap();
+    assert_eq!(text, want);
+}
+
+fn params() -> GenerateParams {
+    GenerateParams {
+        max_tokens: 12,
+        ignore_eos: true,
+        ..GenerateParams::default()
+    }
+}
+
+#[test]
+fn corrupt_stores_are_clear_errors() {
+    let dir = fixture("qwen3_moe-q4g64");
+    let tmp = tempfile::tempdir().unwrap();
+    let store_dir = tmp.path().join("s");
+    let store = convert_model(&dir, &store_dir, false, &|_, _| {}).unwrap();
+    let data = store.data_path();
+    let bytes = std::fs::read(&data).unwrap();
+
+    // A flipped byte inside a record: verification names the record; generation fails rather than decode it.
+    let mut flipped = bytes.clone();
+    let rec = &store.manifest().layers[1].records[2];
+    flipped[rec.offset as usize + 100] ^= 0x40;
+    std::fs::write(&data, &flipped).unwrap();
+    let bad = PackedStore::open(&store_dir).unwrap().verify(&|_| {}).unwrap();
+    assert_eq!(bad.len(), 1, "{bad:?}");
+    assert!(bad[0].contains("layer 1 expert 2"), "{bad:?}");
+    let all = stream(64 << 20, 2, PrefetchMode::None, false);
+    let p = Pipeline::load_with(&store_dir, &all).unwrap();
+    let ids: Vec<u32> = (0..24).collect(); // routes to every expert of every layer
+    let err = p
+        .generate(&Prompt::Tokens(ids), &params(), |_| true)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("checksum mismatch") && err.contains("layer 1 expert 2"),
+        "{err}"
+    );
+
+    // Truncated data file: opening names the file.
+    std::fs::write(&data, &bytes[..bytes.len() - 4096]).unwrap();
+    let err = Pipeline::load_with(&store_dir, &all).err().unwrap().to_string();
+    assert!(err.contains("experts.bin") && err.contains("truncated"), "{err}");
+    std::fs::write(&data, &bytes).unwrap();
+
+    // A manifest pointing at a different model.
+    let mpath = store_dir.join(expert_store::MANIFEST_FILE);
+    let text = std::fs::read_to_string(&mpath).unwrap();
+    let mut m: serde_json::Value = serde_json::from_str(&text).unwrap();
+    m["model_dir"] = serde_json::Value::String(fixture("mixtral-q4g64").canonicalize().unwrap().display().to_string());
+    std::fs::write(&mpath, serde_json::to_string(&m).unwrap()).unwrap();
+    let err = Pipeline::load_with(&store_dir, &all).err().unwrap().to_string();
+    assert!(
+        err.contains("sluice-store.json") && err.contains("disagrees with the model"),
+        "{err}"
+    );
+
+    // Garbage manifest and unknown version.
+    m["model_dir"] = serde_json::Value::String(dir.canonicalize().unwrap().display().to_string());
+    m["version"] = 99.into();
+    std::fs::write(&mpath, serde_json::to_string(&m).unwrap()).unwrap();
+    let err = Pipeline::load_with(&store_dir, &all).err().unwrap().to_string();
+    assert!(err.contains("version 99"), "{err}");
+    std::fs::write(&mpath, "{not json").unwrap();
+    let err = Pipeline::load_with(&store_dir, &all).err().unwrap().to_string();
+    assert!(
+        err.contains("sluice-store.json") && err.contains("not a valid store manifest"),
+        "{err}"
+    );
+
+    // Converting over an existing store needs force; a non-empty other directory is refused.
+    std::fs::write(&mpath, text).unwrap();
+    let err = convert_model(&dir, &store_dir, false, &|_, _| {})
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("--force"), "{err}");
+    convert_model(&dir, &store_dir, true, &|_, _| {}).unwrap();
+    let err = convert_model(&dir, &dir, false, &|_, _| {}).err().unwrap().to_string();
+    assert!(err.contains("not empty"), "{err}");
+}
