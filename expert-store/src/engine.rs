@@ -560,7 +560,43 @@ impl ExpertSource for StreamingSource {
         }
     }
 
+    fn drop_caches(&self) -> Result<(), StoreError> {
+        let inner = &*self.inner;
+        let mut st = lock(&inner.state);
+        let idle: Vec<Key> = (st.entries.iter())
+            .filter(|(_, e)| matches!(&e.state, SlotState::Ready(b) if Arc::strong_count(b) == 1 && e.waiters == 0))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in idle {
+            if let Some(Entry {
+                state: SlotState::Ready(b),
+                unused_prefetch,
+                bytes,
+                ..
+            }) = st.entries.pop(&k)
+            {
+                if unused_prefetch {
+                    inner.counters.prefetch_wasted.fetch_add(1, Relaxed);
+                    inner.counters.prefetch_wasted_bytes.fetch_add(bytes as u64, Relaxed);
+                }
+                st.free.push(b);
+            }
+        }
+        drop(st);
+        for f in &inner.table.files {
+            f.drop_os_cache().map_err(|source| StoreError::Io {
+                path: f.path().to_path_buf(),
+                source,
+            })?;
+        }
+        Ok(())
+    }
+
     fn counters(&self) -> Option<Arc<StoreCounters>> {
         Some(Arc::clone(&self.inner.counters))
+    }
+
+    fn slots(&self) -> Option<usize> {
+        Some(self.inner.slots)
     }
 }

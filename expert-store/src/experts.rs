@@ -43,6 +43,17 @@ pub trait ExpertSource: Send + Sync {
     /// Hints that `experts` of `layer` will probably be needed soon (read on idle I/O capacity if useful).
     fn prefetch(&self, _layer: usize, _experts: &[usize]) {}
 
+    /// Empties the source's caches (its slots and the OS page cache of its files) so the next reads are
+    /// cold; records still in use stay. For benchmarks.
+    fn drop_caches(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    /// Number of record slots, for sources with a slot cache.
+    fn slots(&self) -> Option<usize> {
+        None
+    }
+
     /// The source's I/O counters, if it does I/O.
     fn counters(&self) -> Option<Arc<StoreCounters>> {
         None

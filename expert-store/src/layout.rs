@@ -20,6 +20,10 @@ pub trait ReadAt: Send + Sync {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize>;
     /// The file's path, for error messages.
     fn path(&self) -> &Path;
+    /// Asks the OS to drop this file's cached pages (for cold-cache benchmarks); best effort.
+    fn drop_os_cache(&self) -> io::Result<()> {
+        Ok(())
+    }
 }
 
 /// A file read with `pread`, optionally bypassing the page cache.
@@ -63,6 +67,16 @@ impl ReadAt for PosixFile {
     }
     fn path(&self) -> &Path {
         &self.path
+    }
+    fn drop_os_cache(&self) -> io::Result<()> {
+        #[cfg(target_os = "linux")]
+        nix::fcntl::posix_fadvise(
+            std::os::fd::AsRawFd::as_raw_fd(&self.file),
+            0,
+            0,
+            nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
+        )?;
+        Ok(())
     }
 }
 

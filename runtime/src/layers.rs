@@ -361,6 +361,22 @@ impl DecoderModel {
         KvCache::new(self.layers.len())
     }
 
+    /// The expert store's I/O counters, when experts are streamed.
+    pub fn expert_counters(&self) -> Option<std::sync::Arc<expert_store::StoreCounters>> {
+        self.layers.iter().find_map(|l| match &l.ffn {
+            Ffn::Moe(moe) => moe.experts.counters(),
+            Ffn::Dense(_) => None,
+        })
+    }
+
+    /// Slots of the expert cache when streaming (`None` when resident).
+    pub fn expert_slots(&self) -> Option<usize> {
+        self.layers.iter().find_map(|l| match &l.ffn {
+            Ffn::Moe(moe) => moe.experts.slots(),
+            Ffn::Dense(_) => None,
+        })
+    }
+
     /// During decode (one token), the experts layer `i + 1` will probably need, per the prefetch mode.
     fn predict_next(
         &self,

@@ -1,6 +1,9 @@
-//! `sluice`: serve Mixture-of-Experts models bigger than memory. This build has `generate`.
+//! `sluice`: serve Mixture-of-Experts models bigger than memory.
 
 #![warn(missing_docs)]
+
+mod bench;
+mod store_cmds;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -25,11 +28,17 @@ struct Cli {
 enum Command {
     /// Generate text from a prompt; the text goes to stdout, a summary line to stderr.
     Generate(GenerateArgs),
+    /// Pack a model's experts into a store: one aligned, checksummed record per (layer, expert).
+    Convert(store_cmds::ConvertArgs),
+    /// Summarise a packed store; `--verify` checks every record's checksum.
+    Inspect(store_cmds::InspectArgs),
+    /// Measure prefill and decode speed, expert I/O and the disk's own limit, cold and warm.
+    Bench(bench::BenchArgs),
 }
 
 #[derive(Args)]
 struct GenerateArgs {
-    /// Model directory (MLX safetensors: config.json, *.safetensors, tokenizer.json).
+    /// Model directory (MLX safetensors: config.json, *.safetensors, tokenizer.json) or packed store.
     #[arg(short = 'm', long, env = "SLUICE_MODEL")]
     model: PathBuf,
     /// Raw prompt text, tokenized as is (no chat template).
@@ -89,6 +98,8 @@ struct GenerateArgs {
     /// Do not stop at end-of-sequence tokens.
     #[arg(long)]
     ignore_eos: bool,
+    #[command(flatten)]
+    engine: store_cmds::EngineArgs,
 }
 
 fn main() -> Result<()> {
@@ -98,6 +109,9 @@ fn main() -> Result<()> {
         .init();
     match Cli::parse().command {
         Command::Generate(args) => generate(args),
+        Command::Convert(args) => store_cmds::convert(args),
+        Command::Inspect(args) => store_cmds::inspect(args),
+        Command::Bench(args) => bench::run(args),
     }
 }
 
@@ -105,15 +119,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     if a.prefill_chunk == 0 {
         bail!("--prefill-chunk must be at least 1");
     }
-    if let Some(n) = a.threads {
-        if n == 0 {
-            bail!("--threads must be at least 1");
-        }
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build_global()
-            .context("setting up the thread pool")?;
-    }
+    set_threads(a.threads)?;
     let params = GenerateParams {
         max_tokens: a.max_tokens,
         sampling: SamplingParams {
@@ -134,7 +140,9 @@ fn generate(a: GenerateArgs) -> Result<()> {
     };
     // Cheap checks before a load that may take minutes.
     params.sampling.validate()?;
-    let pipeline = Pipeline::load(&a.model).with_context(|| format!("loading the model in {}", a.model.display()))?;
+    let opts = a.engine.options()?;
+    let pipeline =
+        Pipeline::load_with(&a.model, &opts).with_context(|| format!("loading the model in {}", a.model.display()))?;
     let prompt = match (&a.prompt, &a.chat) {
         (Some(p), _) => Prompt::Raw(p.clone()),
         (None, Some(c)) => {
@@ -167,6 +175,23 @@ fn generate(a: GenerateArgs) -> Result<()> {
         let _ = writeln!(out);
     }
     eprintln!("{}", summary(&stats));
+    if let Some(c) = pipeline.model.expert_counters() {
+        eprintln!("{}", c.snapshot().summary());
+    }
+    Ok(())
+}
+
+/// Sizes the global compute pool (`None`: all cores).
+fn set_threads(threads: Option<usize>) -> Result<()> {
+    if let Some(n) = threads {
+        if n == 0 {
+            bail!("--threads must be at least 1");
+        }
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .context("setting up the thread pool")?;
+    }
     Ok(())
 }
 

@@ -1,0 +1,449 @@
+//! `sluice bench`: prefill and decode speed on a diverse token stream, expert I/O, cold and warm, with the
+//! machine's own limits (disk random-read bandwidth at the record size and depth, DRAM bandwidth) measured
+//! in the same run.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use expert_store::{CounterSnapshot, PosixFile, ReadAt, RecordTable, DIRECT_ALIGN, SLOT_ALIGN};
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+use sluice_runtime::{DecoderModel, ForwardOptions, Pipeline};
+
+use crate::store_cmds::EngineArgs;
+
+/// Arguments of `sluice bench`.
+#[derive(Args)]
+pub struct BenchArgs {
+    /// Model directory or packed store.
+    #[arg(short = 'm', long, env = "SLUICE_MODEL")]
+    model: PathBuf,
+    /// Prompt tokens for the prefill test (random ids).
+    #[arg(short = 'p', long, default_value_t = 64)]
+    prompt_tokens: usize,
+    /// Decode steps, each fed a random token id (not the model's own output, which repeats itself and
+    /// flatters every cache).
+    #[arg(short = 'n', long, default_value_t = 32)]
+    gen_tokens: usize,
+    /// Feed the tokens of this text file instead of random ids (a replayed, realistic stream).
+    #[arg(long)]
+    text: Option<PathBuf>,
+    /// Experts per token (default: the model's own).
+    #[arg(long, env = "SLUICE_TOP_K")]
+    top_k: Option<usize>,
+    /// Which runs: `cold` (page cache and slot cache dropped first), `warm` (right after another run),
+    /// or `both`.
+    #[arg(long, default_value = "both")]
+    runs: String,
+    /// Seed of the random token stream.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Seconds spent on each bandwidth probe (0: skip the probes).
+    #[arg(long, default_value_t = 3.0)]
+    probe_seconds: f64,
+    /// Compute threads (default: all cores).
+    #[arg(short = 't', long, env = "SLUICE_THREADS")]
+    threads: Option<usize>,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    engine: EngineArgs,
+}
+
+/// One measured run.
+#[derive(Serialize)]
+struct RunReport {
+    run: String,
+    prompt_tokens: usize,
+    prefill_tok_s: f64,
+    gen_tokens: usize,
+    decode_tok_s: f64,
+    decode_ms_per_token: f64,
+    /// Expert bytes read from disk per decoded token (demand + prefetch).
+    read_bytes_per_token: f64,
+    hit_rate: f64,
+    /// Share of decode time spent waiting for expert reads.
+    io_wait_share: f64,
+    /// Bytes read / time with at least one read in flight.
+    read_gb_s: f64,
+    read_p50_ms: f64,
+    read_p99_ms: f64,
+    effective_queue_depth: f64,
+    prefetch_accuracy: f64,
+    prefetch_wasted_bytes: u64,
+    decode_counters: Option<CounterSnapshot>,
+}
+
+/// Everything `bench` reports.
+#[derive(Serialize)]
+struct Report {
+    model: String,
+    mode: String,
+    experts: usize,
+    top_k: usize,
+    layers: usize,
+    record_bytes: u64,
+    expert_bytes_per_token: u64,
+    cache_slots: Option<usize>,
+    io_depth: usize,
+    direct_io: bool,
+    prefetch: String,
+    threads: usize,
+    load_seconds: f64,
+    disk_probe_gb_s: Option<f64>,
+    dram_probe_gb_s: Option<f64>,
+    runs: Vec<RunReport>,
+}
+
+/// Runs `sluice bench`.
+pub fn run(a: BenchArgs) -> Result<()> {
+    crate::set_threads(a.threads)?;
+    let (cold, warm) = match a.runs.as_str() {
+        "cold" => (true, false),
+        "warm" => (false, true),
+        "both" => (true, true),
+        other => bail!("--runs must be cold, warm or both, not `{other}`"),
+    };
+    if a.prompt_tokens == 0 || a.gen_tokens == 0 {
+        bail!("--prompt-tokens and --gen-tokens must be at least 1");
+    }
+    let opts = a.engine.options()?;
+    let started = Instant::now();
+    let p = Pipeline::load_with(&a.model, &opts).with_context(|| format!("loading {}", a.model.display()))?;
+    let load_seconds = started.elapsed().as_secs_f64();
+    let m = &p.model;
+    let top_k = a.top_k.unwrap_or(m.info.default_top_k);
+    let stream = match &a.text {
+        Some(f) => {
+            let text = std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
+            let ids = p.tokenize(&sluice_runtime::Prompt::Raw(text))?;
+            if ids.len() < 2 * (a.prompt_tokens + a.gen_tokens) {
+                bail!(
+                    "{} has {} tokens; bench needs {}",
+                    f.display(),
+                    ids.len(),
+                    2 * (a.prompt_tokens + a.gen_tokens)
+                );
+            }
+            ids
+        }
+        None => {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(a.seed);
+            let vocab = m.info.vocab_size as u32;
+            (0..2 * (a.prompt_tokens + a.gen_tokens))
+                .map(|_| rng.gen_range(0..vocab))
+                .collect()
+        }
+    };
+    let (record_bytes, moe_layers) = record_facts(&a.model, m)?;
+    let counters = m.expert_counters();
+    let streaming = counters.is_some();
+    let mut runs = Vec::new();
+    let per_run = a.prompt_tokens + a.gen_tokens;
+    if cold {
+        if streaming {
+            drop_caches(m)?;
+        } else if !a.json {
+            eprintln!("note: experts are resident (mmap); a cold run only drops the slot cache when streaming");
+        }
+        runs.push(measure(m, "cold", &stream[..per_run], a.prompt_tokens, top_k)?);
+    }
+    if warm {
+        if !cold {
+            // Warm up on the first half, measure on the second.
+            measure(m, "warmup", &stream[..per_run], a.prompt_tokens, top_k)?;
+        }
+        runs.push(measure(m, "warm", &stream[per_run..], a.prompt_tokens, top_k)?);
+    }
+    let probe = Duration::from_secs_f64(a.probe_seconds.max(0.0));
+    let disk_probe_gb_s = if probe.is_zero() {
+        None
+    } else {
+        Some(disk_probe(&a.model, record_bytes, opts.io_depth, probe)?)
+    };
+    let dram_probe_gb_s = (!probe.is_zero()).then(|| dram_probe(probe));
+    let slots = p.model.expert_slots();
+    let report = Report {
+        model: a.model.display().to_string(),
+        mode: if streaming { "stream" } else { "resident" }.into(),
+        experts: m.info.num_experts,
+        top_k,
+        layers: m.info.num_layers,
+        record_bytes,
+        expert_bytes_per_token: record_bytes * (top_k * moe_layers) as u64,
+        cache_slots: slots,
+        io_depth: opts.io_depth,
+        direct_io: opts.direct_io,
+        prefetch: format!("{:?}", opts.prefetch),
+        threads: rayon::current_num_threads(),
+        load_seconds,
+        disk_probe_gb_s,
+        dram_probe_gb_s,
+        runs,
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_table(&report);
+    }
+    Ok(())
+}
+
+fn drop_caches(m: &DecoderModel) -> Result<()> {
+    for l in &m.layers {
+        if let sluice_runtime::layers::Ffn::Moe(moe) = &l.ffn {
+            moe.experts.drop_caches()?;
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// Prefill `tokens[..prompt]` in one pass (chunks of 512), then decode the rest one token at a time.
+fn measure(m: &DecoderModel, name: &str, tokens: &[u32], prompt: usize, top_k: usize) -> Result<RunReport> {
+    let opts = ForwardOptions {
+        top_k: Some(top_k),
+        all_logits: false,
+    };
+    let counters = m.expert_counters();
+    let mut cache = m.new_cache();
+    let t0 = Instant::now();
+    for chunk in tokens[..prompt].chunks(512) {
+        m.forward(chunk, &mut cache, &opts)?;
+    }
+    let prefill = t0.elapsed();
+    let before = counters.as_ref().map(|c| c.snapshot());
+    let t1 = Instant::now();
+    for &t in &tokens[prompt..] {
+        m.forward(&[t], &mut cache, &opts)?;
+    }
+    let decode = t1.elapsed();
+    let gen = tokens.len() - prompt;
+    let d = counters.map(|c| c.snapshot().since(&before.unwrap_or_default()));
+    let z = CounterSnapshot::default();
+    let c = d.as_ref().unwrap_or(&z);
+    let secs = decode.as_secs_f64();
+    Ok(RunReport {
+        run: name.into(),
+        prompt_tokens: prompt,
+        prefill_tok_s: prompt as f64 / prefill.as_secs_f64(),
+        gen_tokens: gen,
+        decode_tok_s: gen as f64 / secs,
+        decode_ms_per_token: secs * 1e3 / gen as f64,
+        read_bytes_per_token: c.bytes_read() as f64 / gen as f64,
+        hit_rate: c.hit_rate(),
+        io_wait_share: c.io_wait_seconds / secs,
+        read_gb_s: if c.read_active_seconds > 0.0 {
+            c.bytes_read() as f64 / c.read_active_seconds / 1e9
+        } else {
+            0.0
+        },
+        read_p50_ms: c.read_latency.quantile(0.5) * 1e3,
+        read_p99_ms: c.read_latency.quantile(0.99) * 1e3,
+        effective_queue_depth: c.effective_queue_depth(),
+        prefetch_accuracy: c.prefetch_accuracy(),
+        prefetch_wasted_bytes: c.prefetch_wasted_bytes,
+        decode_counters: d,
+    })
+}
+
+/// Bytes of one expert record (packed and padded, or the sum of its in-place parts) and the MoE layer count.
+fn record_facts(path: &Path, m: &DecoderModel) -> Result<(u64, usize)> {
+    let layers = m.expert_stacks.len();
+    if expert_store::is_store(path) {
+        let s = expert_store::PackedStore::open(path)?;
+        let max = s.manifest().layers.iter().map(|l| l.record_len).max().unwrap_or(0);
+        return Ok((max, layers));
+    }
+    let ck = expert_store::Checkpoint::open(path)?;
+    let t = RecordTable::in_place(&ck, &m.expert_stacks, false)?;
+    let bytes = t.record(m.expert_stacks[0].layer, 0).map_or(0, |r| r.read_len() as u64);
+    Ok((bytes, layers))
+}
+
+/// Random reads of `record` bytes at `depth` over the expert data, bypassing the page cache when the
+/// filesystem allows O_DIRECT; returns GB/s.
+fn disk_probe(path: &Path, record: u64, depth: usize, time: Duration) -> Result<f64> {
+    let file = if expert_store::is_store(path) {
+        expert_store::PackedStore::open(path)?.data_path()
+    } else {
+        largest_safetensors(path)?
+    };
+    let len = std::fs::metadata(&file)?.len();
+    let size = record.max(DIRECT_ALIGN).next_multiple_of(DIRECT_ALIGN);
+    if len < size {
+        bail!("{} is smaller than one record", file.display());
+    }
+    let direct = PosixFile::open(&file, true);
+    let f: Box<dyn ReadAt> = match direct {
+        Ok(f) => Box::new(f),
+        Err(_) => {
+            let f = PosixFile::open(&file, false)?;
+            f.drop_os_cache()?;
+            Box::new(f)
+        }
+    };
+    let slots = (len - size) / DIRECT_ALIGN;
+    let bytes = AtomicU64::new(0);
+    let deadline = Instant::now() + time;
+    let t0 = Instant::now();
+    std::thread::scope(|s| {
+        for i in 0..depth {
+            let (f, bytes) = (&f, &bytes);
+            s.spawn(move || {
+                let mut buf = expert_store_slot(size as usize);
+                let mut rng = rand::rngs::StdRng::seed_from_u64(0x5eed + i as u64);
+                while Instant::now() < deadline {
+                    let off = rng.gen_range(0..=slots) * DIRECT_ALIGN;
+                    match expert_store::read_full(f.as_ref(), &mut buf[..size as usize], off, 0) {
+                        Ok(n) => bytes.fetch_add(n as u64, Ordering::Relaxed),
+                        Err(_) => break,
+                    };
+                }
+            });
+        }
+    });
+    Ok(bytes.load(Ordering::Relaxed) as f64 / t0.elapsed().as_secs_f64() / 1e9)
+}
+
+/// A page-aligned buffer (O_DIRECT needs one) carved out of a plain allocation.
+fn expert_store_slot(len: usize) -> AlignedVec {
+    AlignedVec::new(len)
+}
+
+/// A heap buffer with a [`SLOT_ALIGN`]-aligned window of `len` bytes.
+struct AlignedVec {
+    buf: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+impl AlignedVec {
+    fn new(len: usize) -> Self {
+        let buf = vec![0u8; len + SLOT_ALIGN];
+        let start = buf.as_ptr().align_offset(SLOT_ALIGN);
+        Self { buf, start, len }
+    }
+}
+
+impl std::ops::Deref for AlignedVec {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.buf[self.start..self.start + self.len]
+    }
+}
+
+impl std::ops::DerefMut for AlignedVec {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.buf[self.start..self.start + self.len]
+    }
+}
+
+fn largest_safetensors(dir: &Path) -> Result<PathBuf> {
+    let mut best: Option<(u64, PathBuf)> = None;
+    for e in std::fs::read_dir(dir)? {
+        let p = e?.path();
+        if p.extension().is_some_and(|x| x == "safetensors") {
+            let len = std::fs::metadata(&p)?.len();
+            if best.as_ref().is_none_or(|(l, _)| len > *l) {
+                best = Some((len, p));
+            }
+        }
+    }
+    best.map(|(_, p)| p)
+        .with_context(|| format!("no safetensors in {}", dir.display()))
+}
+
+/// Read bandwidth of DRAM: sums a buffer much larger than the caches on every compute thread; GB/s.
+fn dram_probe(time: Duration) -> f64 {
+    use rayon::prelude::*;
+    let words = 64 << 20; // 512 MiB of u64
+    let buf: Vec<u64> = (0..words as u64).collect();
+    let deadline = Instant::now() + time;
+    let mut best = 0f64;
+    while Instant::now() < deadline {
+        let t = Instant::now();
+        let s: u64 = buf
+            .par_chunks(1 << 16)
+            .map(|c| c.iter().fold(0u64, |a, &x| a.wrapping_add(x)))
+            .sum();
+        std::hint::black_box(s);
+        best = best.max((words * 8) as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    best
+}
+
+fn print_table(r: &Report) {
+    println!(
+        "model {} | {} experts top-{} | {} layers | record {:.2} MiB | {:.1} MB of experts per token",
+        r.model,
+        r.experts,
+        r.top_k,
+        r.layers,
+        r.record_bytes as f64 / 1048576.0,
+        r.expert_bytes_per_token as f64 / 1e6
+    );
+    println!(
+        "mode {} | slots {} | io depth {} | direct {} | prefetch {} | threads {} | load {:.1} s",
+        r.mode,
+        r.cache_slots.map_or("-".into(), |s| s.to_string()),
+        r.io_depth,
+        r.direct_io,
+        r.prefetch,
+        r.threads,
+        r.load_seconds
+    );
+    if let Some(d) = r.disk_probe_gb_s {
+        println!(
+            "disk probe: {d:.2} GB/s random reads of one record at depth {}",
+            r.io_depth
+        );
+    }
+    if let Some(d) = r.dram_probe_gb_s {
+        println!("DRAM probe: {d:.1} GB/s");
+    }
+    println!(
+        "{:<6} {:>10} {:>10} {:>9} {:>12} {:>7} {:>8} {:>9} {:>8} {:>8} {:>6} {:>9}",
+        "run",
+        "prefill/s",
+        "decode/s",
+        "ms/tok",
+        "MB read/tok",
+        "hit %",
+        "io wait",
+        "read GB/s",
+        "p50 ms",
+        "p99 ms",
+        "depth",
+        "pf acc %"
+    );
+    for x in &r.runs {
+        println!(
+            "{:<6} {:>10.2} {:>10.2} {:>9.1} {:>12.1} {:>7.1} {:>7.0}% {:>9.2} {:>8.2} {:>8.2} {:>6.1} {:>9.0}",
+            x.run,
+            x.prefill_tok_s,
+            x.decode_tok_s,
+            x.decode_ms_per_token,
+            x.read_bytes_per_token / 1e6,
+            100.0 * x.hit_rate,
+            100.0 * x.io_wait_share,
+            x.read_gb_s,
+            x.read_p50_ms,
+            x.read_p99_ms,
+            x.effective_queue_depth,
+            100.0 * x.prefetch_accuracy
+        );
+    }
+    if let (Some(disk), Some(w)) = (r.disk_probe_gb_s, r.runs.first()) {
+        if w.read_gb_s > 0.0 {
+            println!(
+                "achieved read bandwidth / disk probe: {:.0}%",
+                100.0 * w.read_gb_s / disk
+            );
+        }
+    }
+}

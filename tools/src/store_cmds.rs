@@ -1,0 +1,169 @@
+//! `sluice convert` and `sluice inspect`: make a packed expert store and look inside one.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use expert_store::PackedStore;
+use indicatif::{ProgressBar, ProgressStyle};
+use sluice_runtime::{convert_model, ExpertMode, ExpertOptions, PrefetchMode};
+
+/// Flags that choose how experts are served (generate, bench, serve).
+#[derive(Args, Clone, Debug)]
+pub struct EngineArgs {
+    /// Where experts live: `auto` (resident when they fit in well under available memory, else
+    /// streamed), `resident` or `stream`. Setting --expert-cache implies `stream` under `auto`.
+    #[arg(long, default_value = "auto", env = "SLUICE_EXPERTS")]
+    pub experts: ExpertMode,
+    /// Budget of the expert slot cache when streaming: bytes or a size like 512M, 1MB, 4GiB
+    /// (default: an eighth of available memory; the OS page cache is the second tier).
+    #[arg(long, value_parser = sluice_runtime::parse_size, env = "SLUICE_EXPERT_CACHE")]
+    pub expert_cache: Option<u64>,
+    /// Expert reads in flight at once (I/O threads).
+    #[arg(long, default_value_t = 8, env = "SLUICE_IO_DEPTH")]
+    pub io_depth: usize,
+    /// Bypass the OS page cache for expert reads (O_DIRECT on Linux, F_NOCACHE on macOS).
+    #[arg(long, env = "SLUICE_DIRECT_IO")]
+    pub direct_io: bool,
+    /// Skip the checksum check of each packed record read from disk.
+    #[arg(long, env = "SLUICE_NO_VERIFY")]
+    pub no_verify: bool,
+    /// Speculative expert reads during decode: none, prev-token, next-layer.
+    #[arg(long, default_value = "none", env = "SLUICE_PREFETCH")]
+    pub prefetch: PrefetchMode,
+}
+
+impl EngineArgs {
+    /// The runtime's options for these flags.
+    pub fn options(&self) -> Result<ExpertOptions> {
+        if self.io_depth == 0 || self.io_depth > 256 {
+            bail!("--io-depth must be between 1 and 256");
+        }
+        let mode = match (self.experts, self.expert_cache) {
+            (ExpertMode::Auto, Some(_)) => ExpertMode::Stream,
+            (m, _) => m,
+        };
+        Ok(ExpertOptions {
+            mode,
+            cache_bytes: self.expert_cache,
+            io_depth: self.io_depth,
+            direct_io: self.direct_io,
+            verify: !self.no_verify,
+            prefetch: self.prefetch,
+        })
+    }
+}
+
+/// Arguments of `sluice convert`.
+#[derive(Args)]
+pub struct ConvertArgs {
+    /// MLX model directory to pack.
+    #[arg(short = 'm', long)]
+    model: PathBuf,
+    /// Store directory to create (config, tokenizer and non-expert weights stay in the model directory).
+    #[arg(short = 'o', long)]
+    out: PathBuf,
+    /// Replace a store that already exists at --out.
+    #[arg(long)]
+    force: bool,
+}
+
+/// A byte progress bar on stderr (hidden when stderr is not a terminal).
+pub fn byte_bar(total: u64, what: &str) -> ProgressBar {
+    let bar = ProgressBar::new(total);
+    let style = ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> ");
+    bar.set_style(style);
+    bar.set_message(what.to_string());
+    bar
+}
+
+/// Runs `sluice convert`.
+pub fn convert(a: ConvertArgs) -> Result<()> {
+    let bar = byte_bar(0, "packing experts");
+    let started = std::time::Instant::now();
+    let store = convert_model(&a.model, &a.out, a.force, &|done, total| {
+        bar.set_length(total);
+        bar.set_position(done);
+    })
+    .with_context(|| format!("converting {} into {}", a.model.display(), a.out.display()))?;
+    bar.finish_and_clear();
+    let m = store.manifest();
+    let records: usize = m.layers.iter().map(|l| l.records.len()).sum();
+    eprintln!(
+        "wrote {} records ({:.2} GB) to {} in {:.1} s and verified every checksum",
+        records,
+        m.data_len as f64 / 1e9,
+        store.data_path().display(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// Arguments of `sluice inspect`.
+#[derive(Args)]
+pub struct InspectArgs {
+    /// Store directory.
+    store: PathBuf,
+    /// Read every record and check its checksum.
+    #[arg(long)]
+    verify: bool,
+}
+
+/// Runs `sluice inspect`.
+pub fn inspect(a: InspectArgs) -> Result<()> {
+    let store = PackedStore::open(&a.store).with_context(|| format!("opening store {}", a.store.display()))?;
+    let m = store.manifest();
+    let records: usize = m.layers.iter().map(|l| l.records.len()).sum();
+    println!("store:        {} (format version {})", a.store.display(), m.version);
+    println!("model:        {}", m.model_dir.display());
+    println!("data:         {} ({} bytes)", store.data_path().display(), m.data_len);
+    println!(
+        "records:      {records} in {} MoE layers, aligned to {} bytes, checksum {}",
+        m.layers.len(),
+        m.record_align,
+        m.checksum
+    );
+    let mut sizes: Vec<(u64, usize)> = Vec::new();
+    for l in &m.layers {
+        match sizes.iter_mut().find(|(s, _)| *s == l.record_len) {
+            Some((_, n)) => *n += 1,
+            None => sizes.push((l.record_len, 1)),
+        }
+    }
+    for (size, layers) in sizes {
+        println!(
+            "record size:  {size} bytes ({:.2} MiB) in {layers} layers",
+            size as f64 / 1048576.0
+        );
+    }
+    if let Some(l) = m.layers.first() {
+        println!("parts (layer {}, {} experts):", l.layer, l.records.len());
+        for p in &l.parts {
+            println!(
+                "  {:<60} {:>5} {:?} +{} ({} bytes)",
+                p.tensor, p.dtype, p.shape, p.offset, p.len
+            );
+        }
+    }
+    if a.verify {
+        let bar = byte_bar(m.data_len, "verifying");
+        let started = std::time::Instant::now();
+        let bad = store.verify(&|n| bar.inc(n))?;
+        bar.finish_and_clear();
+        let secs = started.elapsed().as_secs_f64();
+        if !bad.is_empty() {
+            for b in &bad {
+                eprintln!("corrupt record: {b}");
+            }
+            bail!("{} of {records} records failed their checksum", bad.len());
+        }
+        println!(
+            "verified:     all {records} checksums match ({:.2} GB in {secs:.1} s, {:.2} GB/s)",
+            m.data_len as f64 / 1e9,
+            m.data_len as f64 / 1e9 / secs.max(1e-9)
+        );
+    }
+    Ok(())
+}
