@@ -1,57 +1,101 @@
-//! Page-aligned, zero-initialised heap buffers: the persistent slots expert records are read into.
+//! Page-aligned, zero-initialised memory for the persistent slots expert records are read into: one
+//! anonymous mapping made once (backed by transparent huge pages where the OS allows, so the kernels'
+//! streams are not cut at every 4 KiB page), split into disjoint fixed-size slots.
 
-use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::num::NonZeroUsize;
 use std::ptr::NonNull;
+use std::sync::Arc;
+
+use nix::sys::mman::{mmap_anonymous, munmap, MapFlags, ProtFlags};
 
 /// Alignment of every slot: Apple's 16 KiB page, a multiple of the 4 KiB O_DIRECT block.
 pub const SLOT_ALIGN: usize = 16 * 1024;
 
-/// A fixed-size buffer aligned to [`SLOT_ALIGN`], allocated once and reused.
-pub struct AlignedBuf {
+/// Alignment of the first slot: a huge page, so the arena can be backed by 2 MiB pages.
+const ARENA_ALIGN: usize = 2 << 20;
+
+/// One mapping holding every slot; slots start at the first [`ARENA_ALIGN`] boundary inside it.
+struct Arena {
     ptr: NonNull<u8>,
-    layout: Layout,
+    len: usize,
 }
 
-// SAFETY: the buffer is plain bytes owned by this value; shared access is read-only through `&self`,
-// mutation needs `&mut self`, so the usual borrow rules make cross-thread use sound.
-unsafe impl Send for AlignedBuf {}
-// SAFETY: see `Send`: `&AlignedBuf` only hands out `&[u8]`.
-unsafe impl Sync for AlignedBuf {}
+// SAFETY: the arena is plain bytes; it is only accessed through `SlotBuf`s, which cover disjoint ranges and
+// follow the borrow rules (see `SlotBuf`).
+unsafe impl Send for Arena {}
+// SAFETY: as above.
+unsafe impl Sync for Arena {}
 
-impl AlignedBuf {
-    /// A zeroed buffer of `len` bytes (rounded up to a whole number of pages); `None` if allocation fails.
-    pub fn new(len: usize) -> Option<Self> {
+impl Drop for Arena {
+    fn drop(&mut self) {
+        // SAFETY: `ptr..ptr+len` is exactly the mapping made in `SlotBuf::allocate`, unmapped only here,
+        // after every `SlotBuf` (each holds an `Arc<Arena>`) is gone.
+        let _ = unsafe { munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// A fixed-size, [`SLOT_ALIGN`]-aligned slot: a range of an arena that no other slot overlaps.
+pub struct SlotBuf {
+    arena: Arc<Arena>,
+    offset: usize,
+    len: usize,
+}
+
+impl SlotBuf {
+    /// `count` zeroed slots of `len` bytes each (rounded up to [`SLOT_ALIGN`]); `None` if allocation fails.
+    pub fn allocate(count: usize, len: usize) -> Option<Vec<SlotBuf>> {
         let len = len.max(1).div_ceil(SLOT_ALIGN) * SLOT_ALIGN;
-        let layout = Layout::from_size_align(len, SLOT_ALIGN).ok()?;
-        // SAFETY: `layout` has a non-zero size; a null return is handled below.
-        let ptr = NonNull::new(unsafe { alloc_zeroed(layout) })?;
-        Some(Self { ptr, layout })
+        let used = len.checked_mul(count.max(1))?;
+        let total = NonZeroUsize::new(used.checked_add(ARENA_ALIGN)?)?;
+        // SAFETY: a fresh private anonymous mapping aliases nothing; the kernel zero-fills it on first touch.
+        let ptr = unsafe {
+            mmap_anonymous(
+                None,
+                total,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_PRIVATE,
+            )
+        }
+        .ok()?
+        .cast::<u8>();
+        #[cfg(target_os = "linux")]
+        {
+            // SAFETY: the range is exactly the mapping just made, not yet touched; MADV_HUGEPAGE only changes
+            // how the kernel backs it. Failure (THP disabled) is harmless.
+            let _ =
+                unsafe { nix::sys::mman::madvise(ptr.cast(), total.get(), nix::sys::mman::MmapAdvise::MADV_HUGEPAGE) };
+        }
+        let start = ptr.as_ptr().align_offset(ARENA_ALIGN);
+        let arena = Arc::new(Arena { ptr, len: total.get() });
+        Some(
+            (0..count)
+                .map(|i| SlotBuf {
+                    arena: Arc::clone(&arena),
+                    offset: start + i * len,
+                    len,
+                })
+                .collect(),
+        )
     }
 
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
-        self.layout.size()
+    /// The slot length a record of `len` bytes needs.
+    pub fn slot_len(len: usize) -> usize {
+        len.max(1).div_ceil(SLOT_ALIGN) * SLOT_ALIGN
     }
 
     /// The bytes, for writing.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: `ptr` points to `len` initialised (zeroed at allocation) bytes owned by `self`, and
-        // `&mut self` guarantees no other reference exists.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.layout.size()) }
+        // SAFETY: `offset..offset + len` lies inside the arena (checked at allocation), initialised (zeroed),
+        // and no other `SlotBuf` covers it; `&mut self` on this unique, non-`Clone` owner rules out any
+        // other reference to these bytes.
+        unsafe { std::slice::from_raw_parts_mut(self.arena.ptr.as_ptr().add(self.offset), self.len) }
     }
 }
 
-impl AsRef<[u8]> for AlignedBuf {
+impl AsRef<[u8]> for SlotBuf {
     fn as_ref(&self) -> &[u8] {
-        // SAFETY: `ptr` points to `len` initialised bytes owned by `self`, borrowed immutably here.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.layout.size()) }
-    }
-}
-
-impl Drop for AlignedBuf {
-    fn drop(&mut self) {
-        // SAFETY: `ptr` was allocated by `alloc_zeroed` with exactly `layout` and is freed only here.
-        unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
+        // SAFETY: as in `as_mut_slice`, borrowed immutably through `&self`.
+        unsafe { std::slice::from_raw_parts(self.arena.ptr.as_ptr().add(self.offset), self.len) }
     }
 }
 
@@ -60,12 +104,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn aligned_zeroed_and_writable() {
-        let mut b = AlignedBuf::new(5000).unwrap();
-        assert_eq!(b.len(), SLOT_ALIGN);
-        assert_eq!(b.as_ref().as_ptr() as usize % SLOT_ALIGN, 0);
-        assert!(b.as_ref().iter().all(|&x| x == 0));
-        b.as_mut_slice()[4999] = 7;
-        assert_eq!(b.as_ref()[4999], 7);
+    fn slots_are_aligned_disjoint_and_writable() {
+        let mut slots = SlotBuf::allocate(3, 5000).unwrap();
+        assert_eq!(slots[0].as_ref().len(), SLOT_ALIGN);
+        for (i, s) in slots.iter_mut().enumerate() {
+            assert_eq!(s.as_ref().as_ptr() as usize % SLOT_ALIGN, 0);
+            assert!(s.as_ref().iter().all(|&x| x == 0));
+            s.as_mut_slice().fill(i as u8 + 1);
+        }
+        for (i, s) in slots.iter().enumerate() {
+            assert!(s.as_ref().iter().all(|&x| x == i as u8 + 1));
+        }
     }
 }

@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use lru::LruCache;
 
-use crate::aligned::AlignedBuf;
+use crate::aligned::SlotBuf;
 use crate::counters::StoreCounters;
 use crate::experts::{ExpertFetch, ExpertRecord, ExpertSource};
 use crate::layout::{read_full, RecordLayout, RecordTable};
@@ -47,7 +47,7 @@ impl Default for EngineOptions {
 
 enum SlotState {
     Loading,
-    Ready(Arc<AlignedBuf>),
+    Ready(Arc<SlotBuf>),
     Failed(String),
 }
 
@@ -62,7 +62,7 @@ struct Entry {
 
 struct Job {
     key: Key,
-    buf: Arc<AlignedBuf>,
+    buf: Arc<SlotBuf>,
     prefetch: bool,
 }
 
@@ -77,7 +77,7 @@ struct Queue {
 
 struct State {
     entries: LruCache<Key, Entry>,
-    free: Vec<Arc<AlignedBuf>>,
+    free: Vec<Arc<SlotBuf>>,
 }
 
 struct Inner {
@@ -107,8 +107,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl StreamingSource {
     /// Starts the I/O threads and allocates the slots for `table` under `opts.cache_bytes`.
     pub fn new(table: RecordTable, opts: &EngineOptions) -> Result<Self, StoreError> {
-        let slot_len = AlignedBuf::new(table.max_slot_len()).map(|b| b.len()).unwrap_or(0);
-        if table.is_empty() || slot_len == 0 {
+        let slot_len = SlotBuf::slot_len(table.max_slot_len());
+        if table.is_empty() {
             return Err(StoreError::Engine("no expert records to serve".into()));
         }
         let slots = ((opts.cache_bytes / slot_len as u64) as usize).min(table.len());
@@ -118,12 +118,11 @@ impl StreamingSource {
                 opts.cache_bytes
             )));
         }
-        let mut free = Vec::with_capacity(slots);
-        for _ in 0..slots {
-            let buf = AlignedBuf::new(slot_len)
-                .ok_or_else(|| StoreError::Engine(format!("cannot allocate {slots} slots of {slot_len} bytes")))?;
-            free.push(Arc::new(buf));
-        }
+        let free: Vec<Arc<SlotBuf>> = SlotBuf::allocate(slots, slot_len)
+            .ok_or_else(|| StoreError::Engine(format!("cannot allocate {slots} slots of {slot_len} bytes")))?
+            .into_iter()
+            .map(Arc::new)
+            .collect();
         let inner = Arc::new(Inner {
             table,
             state: Mutex::new(State {
@@ -197,7 +196,7 @@ impl Inner {
 
     /// A slot for a new read: a free one, else the least recently used entry that no computation
     /// references and no fetch waits for. Prefetches also spare unused prefetched entries.
-    fn take_slot(&self, st: &mut State, for_prefetch: bool) -> Option<Arc<AlignedBuf>> {
+    fn take_slot(&self, st: &mut State, for_prefetch: bool) -> Option<Arc<SlotBuf>> {
         if let Some(b) = st.free.pop() {
             return Some(b);
         }
@@ -220,7 +219,7 @@ impl Inner {
         }
     }
 
-    fn submit(&self, st: &mut State, key: Key, buf: Arc<AlignedBuf>, prefetch: bool) -> Result<(), StoreError> {
+    fn submit(&self, st: &mut State, key: Key, buf: Arc<SlotBuf>, prefetch: bool) -> Result<(), StoreError> {
         let bytes = self.layout(key)?.read_len();
         st.entries.put(
             key,
@@ -313,7 +312,7 @@ impl Inner {
     }
 
     /// Fills `buf` with record `key`; returns the bytes read or a message naming the record and file.
-    fn load(&self, key: Key, buf: &mut Arc<AlignedBuf>) -> Result<usize, String> {
+    fn load(&self, key: Key, buf: &mut Arc<SlotBuf>) -> Result<usize, String> {
         let (layer, expert) = key;
         let fail = |what: String| format!("expert record layer {layer} expert {expert}: {what}");
         let layout = self.layout(key).map_err(|e| fail(e.to_string()))?;
@@ -348,7 +347,7 @@ impl Inner {
         Ok(total)
     }
 
-    fn record_of(&self, key: Key, buf: &Arc<AlignedBuf>) -> Result<ExpertRecord, StoreError> {
+    fn record_of(&self, key: Key, buf: &Arc<SlotBuf>) -> Result<ExpertRecord, StoreError> {
         let whole = OwnedBytes::new(Arc::clone(buf) as Arc<dyn AsRef<[u8]> + Send + Sync>);
         let parts = (self.layout(key)?.parts.iter())
             .map(|&(off, len)| whole.slice(off..off + len))
@@ -467,6 +466,30 @@ impl Drop for LayerFetch<'_> {
     }
 }
 
+impl LayerFetch<'_> {
+    /// Takes every waiting record that has arrived, without blocking.
+    fn take_arrived(&mut self, max: usize, out: &mut Vec<(usize, ExpertRecord)>) -> Result<(), StoreError> {
+        let mut st = lock(&self.inner.state);
+        let mut i = 0;
+        while i < self.waiting.len() && out.len() < max {
+            let key = (self.layer, self.experts[self.waiting[i]]);
+            match st.entries.get_mut(&key) {
+                Some(Entry {
+                    state: SlotState::Ready(b),
+                    waiters,
+                    ..
+                }) => {
+                    *waiters = waiters.saturating_sub(1);
+                    let rec = self.inner.record_of(key, b)?;
+                    out.push((self.waiting.swap_remove(i), rec));
+                }
+                _ => i += 1,
+            }
+        }
+        Ok(())
+    }
+}
+
 impl ExpertFetch for LayerFetch<'_> {
     fn next_ready(&mut self) -> Option<Result<(usize, ExpertRecord), StoreError>> {
         if let Some(r) = self.ready.pop() {
@@ -476,6 +499,27 @@ impl ExpertFetch for LayerFetch<'_> {
             return None;
         }
         Some(self.wait_next())
+    }
+
+    fn next_batch(&mut self, max: usize) -> Option<Result<Vec<(usize, ExpertRecord)>, StoreError>> {
+        let max = max.max(1);
+        let mut batch = Vec::new();
+        while batch.len() < max {
+            match self.ready.pop() {
+                Some(r) => batch.push(r),
+                None => break,
+            }
+        }
+        if batch.is_empty() {
+            match self.next_ready()? {
+                Ok(r) => batch.push(r),
+                Err(e) => return Some(Err(e)),
+            }
+        }
+        if let Err(e) = self.take_arrived(max, &mut batch) {
+            return Some(Err(e));
+        }
+        Some(Ok(batch))
     }
 }
 

@@ -64,6 +64,20 @@ pub trait ExpertSource: Send + Sync {
 pub trait ExpertFetch {
     /// The next available record with its position in the request; `None` when all were handed out.
     fn next_ready(&mut self) -> Option<Result<(usize, ExpertRecord), StoreError>>;
+
+    /// Waits for at least one record, then returns it with every other record already available (at most
+    /// `max`); `None` when all were handed out.
+    fn next_batch(&mut self, max: usize) -> Option<Result<Vec<(usize, ExpertRecord)>, StoreError>> {
+        let mut batch = Vec::new();
+        while batch.len() < max.max(1) {
+            match self.next_ready() {
+                Some(Ok(r)) => batch.push(r),
+                Some(Err(e)) => return Some(Err(e)),
+                None => break,
+            }
+        }
+        (!batch.is_empty()).then_some(Ok(batch))
+    }
 }
 
 /// The default fetch: reads each record when asked, in request order.

@@ -34,6 +34,9 @@ struct Expert {
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
+    // SLUICE_KERNELS=q8 measures the int8-activation kernels instead of the exact ones.
+    let q8 = std::env::var("SLUICE_KERNELS").is_ok_and(|v| v == "q8");
+    sluice_runtime::cpu::q8::set_q8_activations(q8);
     let (rows, cols, bits, group) = (768usize, 2048usize, 4u32, 64usize); // a Qwen3-30B-A3B expert gate/up
                                                                           // 192 × 0.88 MB exceeds the private caches; SLUICE_BENCH_MATRICES=2 measures cache-resident compute.
     let count = std::env::var("SLUICE_BENCH_MATRICES")
@@ -65,8 +68,9 @@ fn main() {
     let bytes_per = experts[0].packed.len() + experts[0].scales.len() * 2;
     let dram = dram_read_gbps(512 << 20, if quick { 3 } else { 8 });
     println!(
-        "threads: {}   DRAM read probe: {dram:.1} GB/s",
-        rayon::current_num_threads()
+        "threads: {}   DRAM read probe: {dram:.1} GB/s   kernels: {}",
+        rayon::current_num_threads(),
+        if q8 { "q8" } else { "exact" }
     );
     println!(
         "matrix {rows}×{cols}, {bits}-bit g{group}, {:.2} MB each, {count} distinct (cache-cold cycle)",

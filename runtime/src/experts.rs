@@ -18,11 +18,13 @@ pub enum ExpertMode {
     /// Resident when the experts fit comfortably in available memory, streamed otherwise.
     #[default]
     Auto,
-    /// All experts in memory: the safetensors mmap'd (a model directory), or every packed record
-    /// preloaded into slots (a store).
+    /// Every record read once at load into slots (huge-page backed where possible).
     Resident,
     /// Read on demand into the budgeted slot cache.
     Stream,
+    /// Viewed in place through an mmap of the safetensors (model directories only; no copy, but the OS
+    /// decides residency and 4 KiB pages slow the kernels).
+    Mmap,
 }
 
 impl std::str::FromStr for ExpertMode {
@@ -32,7 +34,8 @@ impl std::str::FromStr for ExpertMode {
             "auto" => Ok(Self::Auto),
             "resident" => Ok(Self::Resident),
             "stream" => Ok(Self::Stream),
-            _ => Err(format!("unknown expert mode `{s}` (auto, resident, stream)")),
+            "mmap" => Ok(Self::Mmap),
+            _ => Err(format!("unknown expert mode `{s}` (auto, resident, stream, mmap)")),
         }
     }
 }
@@ -156,30 +159,20 @@ pub(crate) fn open_source(
 ) -> Result<Arc<dyn ExpertSource>> {
     let table = match store {
         Some(s) => {
+            if opts.mode == ExpertMode::Mmap {
+                return Err(ModelError::InvalidArgument(
+                    "--experts mmap views a model directory in place; a packed store is read with pread".into(),
+                ));
+            }
             s.check_against(ckpt, stacks)?;
             s.table(opts.direct_io)?
         }
-        None => {
-            let resident = match opts.mode {
-                ExpertMode::Resident => true,
-                ExpertMode::Stream => false,
-                ExpertMode::Auto => {
-                    let bytes: u64 = (stacks.iter().flat_map(|s| &s.tensors))
-                        .filter_map(|n| ckpt.get(n))
-                        .map(|t| t.bytes().len() as u64)
-                        .sum();
-                    fits_in_memory(bytes)
-                }
-            };
-            if resident {
-                return Ok(Arc::new(MmapExpertSource::new(ckpt, stacks)?));
-            }
-            RecordTable::in_place(ckpt, stacks, opts.direct_io)?
-        }
+        None if opts.mode == ExpertMode::Mmap => return Ok(Arc::new(MmapExpertSource::new(ckpt, stacks)?)),
+        None => RecordTable::in_place(ckpt, stacks, opts.direct_io)?,
     };
     let total = table.total_read_bytes();
     let preload = match opts.mode {
-        ExpertMode::Resident => true,
+        ExpertMode::Resident | ExpertMode::Mmap => true,
         ExpertMode::Stream => false,
         ExpertMode::Auto => fits_in_memory(total),
     };

@@ -3,6 +3,8 @@
 
 use std::sync::Arc;
 
+use rayon::prelude::*;
+
 use expert_store::ExpertSource;
 
 use crate::cpu::{Isa, MatRef};
@@ -206,37 +208,48 @@ impl SparseMoe {
         let logits = self.router.forward(isa, x, n);
         let routes: Vec<(Vec<usize>, Vec<f32>)> =
             logits.chunks(self.num_experts).map(|l| self.kind.route(l, k)).collect();
-        let mut per_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); self.num_experts];
+        let mut per_expert_tokens: Vec<Vec<(usize, usize)>> = vec![Vec::new(); self.num_experts];
         for (t, (ids, _)) in routes.iter().enumerate() {
             for (slot, &e) in ids.iter().enumerate() {
-                per_expert[e].push((t, slot));
+                per_expert_tokens[e].push((t, slot));
             }
         }
-        let used: Vec<usize> = (0..self.num_experts).filter(|&e| !per_expert[e].is_empty()).collect();
+        let used: Vec<usize> = (0..self.num_experts)
+            .filter(|&e| !per_expert_tokens[e].is_empty())
+            .collect();
         let mut fetch = self.experts.fetch_layer(self.layer, &used)?;
         if let Some((layer, experts)) = prefetch {
             self.experts.prefetch(layer, experts);
         }
         let mut slots = vec![0f32; n * k * h];
-        while let Some(next) = fetch.next_ready() {
-            let (pos, rec) = next?;
-            let users = &per_expert[used[pos]];
-            let parts: Vec<&[u8]> = rec.parts.iter().map(|p| p.as_slice()).collect();
-            let [gate, up, down] = self.expert_views(&parts);
-            let m = users.len();
-            let xs: Vec<f32> = users
-                .iter()
-                .flat_map(|&(t, _)| x[t * h..(t + 1) * h].iter().copied())
-                .collect();
-            let mut g = vec![0f32; m * self.inter];
-            let mut u = vec![0f32; m * self.inter];
-            gate.matmul(isa, &xs, m, &mut g);
-            up.matmul(isa, &xs, m, &mut u);
-            ops::swiglu(&mut g, &u);
-            let mut y = vec![0f32; m * h];
-            down.matmul(isa, &g, m, &mut y);
-            for (i, &(t, slot)) in users.iter().enumerate() {
-                slots[(t * k + slot) * h..(t * k + slot + 1) * h].copy_from_slice(&y[i * h..(i + 1) * h]);
+        let threads = rayon::current_num_threads();
+        while let Some(batch) = fetch.next_batch(usize::MAX) {
+            let batch = batch?;
+            // Enough experts at hand: one per thread, each matmul on its own thread (one fork-join per
+            // batch instead of per matmul); otherwise split each matmul's rows across threads.
+            let per_expert = batch.len() >= threads && threads > 1;
+            let run = |(pos, rec): &(usize, expert_store::ExpertRecord)| {
+                (
+                    *pos,
+                    self.expert_forward(
+                        isa,
+                        x,
+                        &per_expert_users(&per_expert_tokens[used[*pos]]),
+                        rec,
+                        !per_expert,
+                    ),
+                )
+            };
+            let outputs: Vec<(usize, Vec<f32>)> = if per_expert {
+                batch.par_iter().map(run).collect()
+            } else {
+                batch.iter().map(run).collect()
+            };
+            drop(batch);
+            for (pos, y) in outputs {
+                for (i, &(t, slot)) in per_expert_tokens[used[pos]].iter().enumerate() {
+                    slots[(t * k + slot) * h..(t * k + slot + 1) * h].copy_from_slice(&y[i * h..(i + 1) * h]);
+                }
             }
         }
         let mut out = vec![0f32; n * h];
@@ -252,6 +265,33 @@ impl SparseMoe {
         Ok((out, last))
     }
 
+    /// One expert over the tokens `users` routed to it: `down(swiglu(gate·x, up·x))`, `[users, hidden]`.
+    fn expert_forward(
+        &self,
+        isa: Isa,
+        x: &[f32],
+        users: &[usize],
+        rec: &expert_store::ExpertRecord,
+        parallel: bool,
+    ) -> Vec<f32> {
+        let h = self.hidden;
+        let parts: Vec<&[u8]> = rec.parts.iter().map(|p| p.as_slice()).collect();
+        let [gate, up, down] = self.expert_views(&parts);
+        let m = users.len();
+        let xs: Vec<f32> = users
+            .iter()
+            .flat_map(|&t| x[t * h..(t + 1) * h].iter().copied())
+            .collect();
+        let mut g = vec![0f32; m * self.inter];
+        let mut u = vec![0f32; m * self.inter];
+        gate.matmul_with(isa, &xs, m, &mut g, parallel);
+        up.matmul_with(isa, &xs, m, &mut u, parallel);
+        ops::swiglu(&mut g, &u);
+        let mut y = vec![0f32; m * h];
+        down.matmul_with(isa, &g, m, &mut y, parallel);
+        y
+    }
+
     /// The experts this layer's router would pick for the (unnormalised) residual `x` of one token.
     fn predict(&self, isa: Isa, x: &[f32], norm: &[f32], eps: f32, k: usize) -> Vec<usize> {
         let mut b = x.to_vec();
@@ -259,6 +299,11 @@ impl SparseMoe {
         let logits = self.router.forward(isa, &b, 1);
         self.kind.route(&logits, k.min(self.num_experts)).0
     }
+}
+
+/// The tokens routed to one expert.
+fn per_expert_users(tokens: &[(usize, usize)]) -> Vec<usize> {
+    tokens.iter().map(|&(t, _)| t).collect()
 }
 
 /// The feed-forward half of a decoder layer.

@@ -155,6 +155,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
         }
         (None, None) => bail!("give --prompt or --chat"),
     };
+    let io_before = pipeline.model.expert_counters().map(|c| c.snapshot());
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let mut write_failed = None;
@@ -175,8 +176,12 @@ fn generate(a: GenerateArgs) -> Result<()> {
         let _ = writeln!(out);
     }
     eprintln!("{}", summary(&stats));
-    if let Some(c) = pipeline.model.expert_counters() {
-        eprintln!("{}", c.snapshot().summary());
+    // The expert I/O line, when this generation had to read experts (streaming).
+    if let (Some(c), Some(before)) = (pipeline.model.expert_counters(), io_before) {
+        let d = c.snapshot().since(&before);
+        if d.misses > 0 {
+            eprintln!("{}", d.summary());
+        }
     }
     Ok(())
 }

@@ -31,11 +31,25 @@ pub struct EngineArgs {
     /// Speculative expert reads during decode: none, prev-token, next-layer.
     #[arg(long, default_value = "none", env = "SLUICE_PREFETCH")]
     pub prefetch: PrefetchMode,
+    /// Matmul kernels: `exact` (f32 activations; matches mlx-lm to ~1e-5) or `q8` (activations quantized
+    /// to int8 per 32 values for integer dot products, as llama.cpp does; faster, ~0.5% noise).
+    #[arg(long, default_value = "exact", env = "SLUICE_KERNELS")]
+    pub kernels: Kernels,
+}
+
+/// Matmul kernel family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Kernels {
+    /// f32 activations.
+    Exact,
+    /// int8 activations.
+    Q8,
 }
 
 impl EngineArgs {
-    /// The runtime's options for these flags.
+    /// The runtime's options for these flags (and the process-wide kernel choice).
     pub fn options(&self) -> Result<ExpertOptions> {
+        sluice_runtime::cpu::q8::set_q8_activations(self.kernels == Kernels::Q8);
         if self.io_depth == 0 || self.io_depth > 256 {
             bail!("--io-depth must be between 1 and 256");
         }

@@ -8,6 +8,7 @@
 
 #[cfg(target_arch = "aarch64")]
 mod neon;
+pub mod q8;
 mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -62,6 +63,10 @@ impl FloatType {
                 }
             }
             FloatType::F16 => {
+                #[cfg(target_arch = "x86_64")]
+                if x86::f16c_available() {
+                    return x86::f16_to_f32(src, out);
+                }
                 for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
                     *o = f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
                 }
@@ -242,6 +247,12 @@ impl MatRef<'_> {
 
     /// `y[t] = W · x[t]` for `n` tokens: `x` is `[n, cols]`, `y` is `[n, rows]`, both row-major.
     pub fn matmul(&self, isa: Isa, x: &[f32], n: usize, y: &mut [f32]) {
+        self.matmul_with(isa, x, n, y, true)
+    }
+
+    /// [`MatRef::matmul`], with rows split across threads only when `parallel` (callers that already run
+    /// one matrix per thread pass `false`). The result is the same either way.
+    pub fn matmul_with(&self, isa: Isa, x: &[f32], n: usize, y: &mut [f32], parallel: bool) {
         let (rows, cols) = (self.rows(), self.cols());
         assert_eq!(x.len(), n * cols, "matmul input shape");
         assert_eq!(y.len(), n * rows, "matmul output shape");
@@ -254,7 +265,14 @@ impl MatRef<'_> {
             MatRef::Dense(_) => cols,
         };
         let xsum: Vec<f32> = x.chunks(group).map(|c| c.iter().sum()).collect();
-        let fused = self.fused_kernel(isa);
+        let q8k = match self {
+            MatRef::Quant(q) if q8::q8_activations() && cfg!(target_arch = "x86_64") => {
+                q8::Q8Kernel::for_matrix(q, isa)
+            }
+            _ => None,
+        };
+        let acts = q8k.map(|k| (k, q8::quantize(x, n, cols, k)));
+        let fused = if q8k.is_some() { None } else { self.fused_kernel(isa) };
         #[cfg(target_arch = "x86_64")]
         let permuted;
         let xp: &[f32] = match fused {
@@ -270,24 +288,37 @@ impl MatRef<'_> {
         // Results are produced row-major by weight row ([rows, n]) so that threads write disjoint chunks.
         let mut yt = if n == 1 { Vec::new() } else { vec![0f32; rows * n] };
         let out: &mut [f32] = if n == 1 { y } else { &mut yt };
-        let rows_per_task =
-            (PAR_MIN_ELEMS / cols.max(1)).clamp(1, rows.div_ceil(4 * rayon::current_num_threads()).max(1));
+        // Few, large tasks: a decode step runs hundreds of matmuls, and each task costs a wake-up.
+        let parallel = parallel && rows * cols >= PAR_MIN_ELEMS;
+        let tasks = if parallel { 2 * rayon::current_num_threads() } else { 1 };
+        let rows_per_task = rows.div_ceil(tasks).max(1);
         let ctx = RowCtx {
             isa,
             fused,
             x,
             xp,
             xsum: &xsum,
+            acts: acts.as_ref().map(|(k, a)| (*k, a)),
         };
         let run = |(task, chunk): (usize, &mut [f32])| {
-            // Scratch: the unpacked row, or (fused kernels) the row's scales and biases as f32.
-            let mut codes = vec![0f32; if fused.is_some() { 2 * cols / group } else { cols }];
+            // Scratch: the unpacked row, or (fused and int8 kernels) the row's scales (padded for 16-wide
+            // loads) and biases as f32.
+            let scratch = if fused.is_some() || q8k.is_some() {
+                2 * cols / group + 16
+            } else {
+                cols
+            };
             let first = task * rows_per_task;
+            #[cfg(target_arch = "x86_64")]
+            if let (MatRef::Quant(q), Some((k, acts))) = (self, ctx.acts) {
+                return q8_task(q, k, acts, &ctx, first, n, chunk);
+            }
+            let mut codes = vec![0f32; scratch];
             for (i, out_row) in chunk.chunks_mut(n).enumerate() {
                 self.row_dot(&ctx, first + i, &mut codes, out_row);
             }
         };
-        if rows * cols < PAR_MIN_ELEMS {
+        if !parallel {
             out.chunks_mut(rows_per_task * n).enumerate().for_each(run);
         } else {
             out.par_chunks_mut(rows_per_task * n).enumerate().for_each(run);
@@ -329,7 +360,8 @@ impl MatRef<'_> {
                 let gpr = cols / q.group;
                 #[cfg(target_arch = "x86_64")]
                 if let Some((avx512, bits)) = c.fused {
-                    let (scales, biases) = codes.split_at_mut(gpr);
+                    let (scales, rest) = codes.split_at_mut(gpr);
+                    let biases = &mut rest[..gpr];
                     q.scale_type.to_f32(q.scales, r * gpr, scales);
                     q.scale_type.to_f32(q.biases, r * gpr, biases);
                     for (t, o) in out.iter_mut().enumerate() {
@@ -362,6 +394,57 @@ impl MatRef<'_> {
     }
 }
 
+/// A task's rows (from `first`, `chunk` holds `[rows, n]` outputs) with the int8-activation kernel: the
+/// rows' scales and biases converted once, then all rows per token.
+#[cfg(target_arch = "x86_64")]
+fn q8_task(
+    q: &QuantMatrix<'_>,
+    k: q8::Q8Kernel,
+    acts: &q8::QuantActs,
+    c: &RowCtx<'_>,
+    first: usize,
+    n: usize,
+    chunk: &mut [f32],
+) {
+    let (cols, gpr) = (q.cols, q.cols / q.group);
+    let rows = chunk.len() / n;
+    let row_bytes = cols * q.bits as usize / 8;
+    let size = q.scale_type.size();
+    let raw = x86::RawScales {
+        scales: &q.scales[first * gpr * size..(first + rows) * gpr * size],
+        biases: &q.biases[first * gpr * size..(first + rows) * gpr * size],
+        ty: q.scale_type,
+        size,
+    };
+    // The AVX-512 kernels read scales in place; the AVX2 one wants f32 copies.
+    let (mut scales, mut biases) = (Vec::new(), Vec::new());
+    if !k.avx512 {
+        scales = vec![0f32; rows * gpr + 16];
+        biases = vec![0f32; rows * gpr];
+        q.scale_type.to_f32(q.scales, first * gpr, &mut scales[..rows * gpr]);
+        q.scale_type.to_f32(q.biases, first * gpr, &mut biases);
+    }
+    let lanes = cols / k.lane_cols();
+    let mut out = vec![0f32; rows];
+    for t in 0..n {
+        let args = x86::Q8RowsArgs {
+            packed: &q.packed[first * row_bytes..(first + rows) * row_bytes],
+            row_bytes,
+            rows,
+            xq: &acts.xq[t * cols..(t + 1) * cols],
+            lane_d: &acts.lane_d[t * lanes..(t + 1) * lanes],
+            scales: &scales,
+            biases: &biases,
+            xsum: &c.xsum[t * gpr..(t + 1) * gpr],
+            group: q.group,
+        };
+        x86::q8_rows(k, &args, &raw, &mut out);
+        for (r, v) in out.iter().enumerate() {
+            chunk[r * n + t] = *v;
+        }
+    }
+}
+
 /// Per-call state shared by every row of a matmul.
 // Only x86-64 has fused kernels so far; elsewhere `fused` is always `None` and `xp` is `x`.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -372,6 +455,8 @@ struct RowCtx<'a> {
     /// `x` in the fused kernel's lane order (`x` itself when no reordering is needed).
     xp: &'a [f32],
     xsum: &'a [f32],
+    /// Int8-quantized activations and their kernel, when `--kernels q8` covers this matrix.
+    acts: Option<(q8::Q8Kernel, &'a q8::QuantActs)>,
 }
 
 #[cfg(test)]

@@ -204,3 +204,119 @@ fn large_matmul_is_identical_across_thread_counts() {
     pool.install(|| w.matmul(Isa::detect(), &x, 3, &mut b1));
     assert_eq!(a, b1);
 }
+
+/// Int8-activation kernels against their oracle: same quantized activations, exact integer block sums.
+#[cfg(target_arch = "x86_64")]
+mod q8_kernels {
+    use super::super::q8::{self, Q8Kernel, BLOCK};
+    use super::super::x86;
+    use super::*;
+
+    fn check(bits: u32, group: usize, chunks: usize, st: FloatType, seed: u64) {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let cols = 128 * chunks;
+        let gpr = cols / group;
+        let codes: Vec<u32> = (0..cols).map(|_| rng.gen_range(0..(1u32 << bits))).collect();
+        let packed = pack(bits, &codes);
+        // Scales and biases as stored (type `st`), and their exact f32 values for the oracle.
+        let s_raw = encode(st, &(0..gpr).map(|_| rng.gen_range(-0.1f32..0.1)).collect::<Vec<_>>());
+        let b_raw = encode(st, &(0..gpr).map(|_| rng.gen_range(-1f32..1.0)).collect::<Vec<_>>());
+        let mut scales = vec![0f32; gpr];
+        let mut biases = vec![0f32; gpr];
+        st.to_f32(&s_raw, 0, &mut scales);
+        st.to_f32(&b_raw, 0, &mut biases);
+        let x: Vec<f32> = (0..cols)
+            .map(|_| rng.gen_range(-3f32..3.0) * rng.gen_range(0f32..1.0))
+            .collect();
+        let xsum: Vec<f32> = x.chunks(group).map(|c| c.iter().sum()).collect();
+        let mut xq = vec![0i8; cols];
+        let d: Vec<f32> = (x.chunks(BLOCK).zip(xq.chunks_mut(BLOCK)))
+            .map(|(xb, qb)| q8::quantize_block(xb, qb))
+            .collect();
+        let want = q8::reference_row(&codes, &xq, &d, &scales, &biases, &xsum, group);
+        let mag: f32 = (codes.iter().zip(&xq).enumerate())
+            .map(|(i, (&c, &q))| (scales[i / group] * d[i / BLOCK] * c as f32 * q as f32).abs())
+            .sum();
+        // The quantized dot approximates the float one within the activation rounding.
+        let exact: f32 = (0..cols)
+            .map(|i| (scales[i / group] * codes[i] as f32 + biases[i / group]) * x[i])
+            .sum();
+        let wmag: f32 = (0..cols)
+            .map(|i| ((scales[i / group] * codes[i] as f32) * x[i]).abs())
+            .sum();
+        assert!((want - exact).abs() <= 0.01 * wmag + 1e-4, "{want} vs float {exact}");
+        scales.extend([0.0; 16]);
+        let q = QuantMatrix {
+            packed: &packed,
+            scales: &[],
+            biases: &[],
+            scale_type: FloatType::F32,
+            bits,
+            group,
+            rows: 1,
+            cols,
+        };
+        let mut ran = 0;
+        for isa in Isa::available() {
+            let Some(k) = Q8Kernel::for_matrix(&q, isa) else {
+                continue;
+            };
+            ran += 1;
+            let acts = q8::quantize(&x, 1, cols, k);
+            let args = x86::Q8RowsArgs {
+                packed: &packed,
+                row_bytes: packed.len(),
+                rows: 1,
+                xq: &acts.xq,
+                lane_d: &acts.lane_d,
+                scales: &scales,
+                biases: &biases,
+                xsum: &xsum,
+                group,
+            };
+            let raw = x86::RawScales {
+                scales: &s_raw,
+                biases: &b_raw,
+                ty: st,
+                size: st.size(),
+            };
+            let mut out = [0f32];
+            x86::q8_rows(k, &args, &raw, &mut out);
+            let got = out[0];
+            assert!(
+                (got - want).abs() <= 1e-5 * mag + 1e-5,
+                "{k:?} group {group}: {got} vs {want}"
+            );
+        }
+        if bits == 4 && Isa::available().contains(&Isa::Avx2) {
+            assert!(ran >= 1, "no int8 kernel ran");
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 100, ..ProptestConfig::default() })]
+        #[test]
+        fn int8_kernels_match_their_oracle(
+            bits in prop::sample::select(vec![4u32, 8]),
+            group in prop::sample::select(vec![32usize, 64, 128]),
+            chunks in 1usize..5,
+            st in prop::sample::select(vec![FloatType::F32, FloatType::F16, FloatType::BF16]),
+            seed in any::<u64>(),
+        ) {
+            check(bits, group, chunks, st, seed);
+        }
+    }
+
+    #[test]
+    fn zero_and_extreme_activations() {
+        let mut q = [0i8; BLOCK];
+        assert_eq!(q8::quantize_block(&[0.0; BLOCK], &mut q), 0.0);
+        assert!(q.iter().all(|&v| v == 0));
+        let mut x = [0.5f32; BLOCK];
+        x[3] = -100.0;
+        let d = q8::quantize_block(&x, &mut q);
+        assert_eq!(q[3], -127);
+        assert!((d * 127.0 - 100.0).abs() < 1e-4);
+    }
+}

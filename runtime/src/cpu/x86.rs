@@ -273,3 +273,259 @@ unsafe fn fused_q8_avx2(a: &RowArgs<'_>) -> f32 {
     }
     hsum256(acc) + bias_term(a)
 }
+
+/// Rows of an int8-activation kernel against one token: `rows` packed rows of `row_bytes` each, the token's
+/// quantized activations in the kernel's order with per-lane block scales and group sums, and the rows'
+/// scales (`rows·groups` values plus 16 readable padding) and biases (`rows·groups`) as f32.
+pub(super) struct Q8RowsArgs<'a> {
+    pub packed: &'a [u8],
+    pub row_bytes: usize,
+    pub rows: usize,
+    pub xq: &'a [i8],
+    pub lane_d: &'a [f32],
+    pub scales: &'a [f32],
+    pub biases: &'a [f32],
+    pub xsum: &'a [f32],
+    pub group: usize,
+}
+
+/// The rows' scales and biases in their stored type (`size` bytes each), for the AVX-512 kernels.
+pub(super) struct RawScales<'a> {
+    pub scales: &'a [u8],
+    pub biases: &'a [u8],
+    pub ty: super::FloatType,
+    pub size: usize,
+}
+
+/// `out[r] = Σ scale·d·(q·xq) + Σ bias·Σx` for each row, with integer dot products. AVX-512 kernels read
+/// scales and biases from `raw`; the AVX2 kernel from the f32 `a.scales`/`a.biases`.
+pub(super) fn q8_rows(k: super::q8::Q8Kernel, a: &Q8RowsArgs<'_>, raw: &RawScales<'_>, out: &mut [f32]) {
+    let cols = a.xq.len();
+    let groups = cols / a.group;
+    assert!(
+        cols.is_multiple_of(k.chunk()) && a.group.is_multiple_of(32) && a.group <= 128,
+        "kernel shape"
+    );
+    assert!(
+        a.row_bytes * 8 >= cols * k.bits as usize && a.packed.len() >= a.rows * a.row_bytes,
+        "row bounds"
+    );
+    assert!(
+        a.lane_d.len() >= cols / k.lane_cols() && a.xsum.len() >= groups,
+        "activation bounds"
+    );
+    assert!(out.len() >= a.rows, "output bounds");
+    if k.avx512 {
+        assert!(raw.size == raw.ty.size(), "scale type");
+        assert!(raw.scales.len() >= a.rows * groups * raw.size && raw.biases.len() >= a.rows * groups * raw.size);
+    } else {
+        assert!(
+            a.scales.len() >= a.rows * groups + 16 && a.biases.len() >= a.rows * groups,
+            "group bounds"
+        );
+    }
+    use super::FloatType as F;
+    // SAFETY: the kernel was chosen by `Q8Kernel::for_matrix`, which requires AVX2+FMA (selected ISA) and,
+    // for `avx512`, AVX-512 F/BW/VL/VNNI detected at run time; the asserts bound every read: codes
+    // (rows·row_bytes, cols·bits/8 per row), activations (cols), lane scales (cols/lane_cols), scales and
+    // biases (rows·groups values; AVX-512 loads are masked to the values needed, AVX2 reads 8-wide from the
+    // f32 copy padded by 16). Prefetches past the end never fault.
+    unsafe {
+        match (k.bits, k.avx512, raw.ty) {
+            (4, true, F::F32) => q4_vnni_raw::<TY_F32>(a, raw, out),
+            (4, true, F::F16) => q4_vnni_raw::<TY_F16>(a, raw, out),
+            (4, true, F::BF16) => q4_vnni_raw::<TY_BF16>(a, raw, out),
+            (4, false, _) => q4_maddubs(a, out),
+            (_, _, F::F32) => q8_vnni_raw::<TY_F32>(a, raw, out),
+            (_, _, F::F16) => q8_vnni_raw::<TY_F16>(a, raw, out),
+            (_, _, F::BF16) => q8_vnni_raw::<TY_BF16>(a, raw, out),
+        }
+    }
+}
+
+/// How far ahead of the current code bytes the int8 kernels prefetch. A prefetch address past the end of the
+/// matrix is harmless (prefetches never fault).
+const PREFETCH_AHEAD: usize = 2048;
+
+/// Lane → group index pattern: lane `i` covers columns `lane_cols·i ..`, in group `lane_cols·i / group`
+/// relative to the step's first group.
+fn group_lanes<const N: usize>(lane_cols: usize, group: usize) -> [i32; N] {
+    std::array::from_fn(|i| (lane_cols * i / group) as i32)
+}
+
+/// `Σ_g bias_g·xsum_g` for one row.
+#[inline(always)]
+unsafe fn bias_dot(biases: *const f32, xsum: *const f32, groups: usize) -> f32 {
+    let mut s = 0f32;
+    for g in 0..groups {
+        s += *biases.add(g) * *xsum.add(g);
+    }
+    s
+}
+
+/// Scale/bias storage the AVX-512 int8 kernels read directly: f32, f16 or bf16.
+const TY_F32: u8 = 0;
+const TY_F16: u8 = 1;
+const TY_BF16: u8 = 2;
+
+/// Up to 16 scale values (`count` ≤ 16, lanes beyond are zero) of type `TY` at `p`, as f32; masked, so it
+/// never reads past the `count` values.
+#[inline(always)]
+unsafe fn load_scales<const TY: u8>(p: *const u8, count: usize) -> __m512 {
+    let k = ((1u32 << count) - 1) as u16;
+    match TY {
+        TY_F32 => _mm512_maskz_loadu_ps(k, p as *const f32),
+        TY_F16 => _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p as *const i16)),
+        _ => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+            _mm256_maskz_loadu_epi16(k, p as *const i16),
+        ))),
+    }
+}
+
+/// `Σ_g bias_g·xsum_g` with biases of type `TY` at `b`.
+#[inline(always)]
+unsafe fn bias_dot_raw<const TY: u8>(b: *const u8, xsum: *const f32, groups: usize, size: usize) -> f32 {
+    let mut acc = _mm512_setzero_ps();
+    let mut g = 0;
+    while g < groups {
+        let count = (groups - g).min(16);
+        let k = ((1u32 << count) - 1) as u16;
+        acc = _mm512_fmadd_ps(
+            load_scales::<TY>(b.add(g * size), count),
+            _mm512_maskz_loadu_ps(k, xsum.add(g)),
+            acc,
+        );
+        g += 16;
+    }
+    _mm512_reduce_add_ps(acc)
+}
+
+/// The AVX-512 4-bit kernel reading scales and biases in their stored type (no conversion pass).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q4_vnni_raw<const TY: u8>(a: &Q8RowsArgs<'_>, raw: &RawScales<'_>, out: &mut [f32]) {
+    let (xq, ld) = (a.xq.as_ptr(), a.lane_d.as_ptr());
+    let groups = a.xq.len() / a.group;
+    let size = raw.size;
+    let m = _mm512_set1_epi8(0x0f);
+    let idx = _mm512_loadu_si512(group_lanes::<16>(8, a.group).as_ptr() as *const _);
+    let step = 128 / a.group; // groups per 128-column step (group is 32, 64 or 128)
+                              // ROWS rows at a time: the activation loads are shared and the accumulator chains overlap. A short last
+                              // block repeats its final row (computed twice, stored once).
+    const ROWS: usize = 2;
+    let mut r = 0;
+    while r < a.rows {
+        let rs: [usize; ROWS] = std::array::from_fn(|j| (r + j).min(a.rows - 1));
+        let pp: [*const u8; ROWS] = std::array::from_fn(|j| a.packed.as_ptr().add(rs[j] * a.row_bytes));
+        let sp: [*const u8; ROWS] = std::array::from_fn(|j| raw.scales.as_ptr().add(rs[j] * groups * size));
+        let mut acc = [_mm512_setzero_ps(); ROWS];
+        for c in 0..a.xq.len() / 128 {
+            let xe = _mm512_loadu_si512(xq.add(128 * c) as *const _);
+            let xo = _mm512_loadu_si512(xq.add(128 * c + 64) as *const _);
+            let d = _mm512_loadu_ps(ld.add(16 * c));
+            for j in 0..ROWS {
+                // Keep more lines in flight than the hardware prefetcher does for this access pattern.
+                _mm_prefetch::<_MM_HINT_T0>(pp[j].add(64 * c + PREFETCH_AHEAD) as *const i8);
+                let v = _mm512_loadu_si512(pp[j].add(64 * c) as *const _);
+                let i = _mm512_dpbusd_epi32(
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, m), xe),
+                    _mm512_and_si512(_mm512_srli_epi32::<4>(v), m),
+                    xo,
+                );
+                let s = _mm512_permutexvar_ps(idx, load_scales::<TY>(sp[j].add(step * c * size), step));
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(d, s), acc[j]);
+            }
+        }
+        let b = raw.biases.as_ptr();
+        for j in 0..ROWS.min(a.rows - r) {
+            let bias = bias_dot_raw::<TY>(b.add(rs[j] * groups * size), a.xsum.as_ptr(), groups, size);
+            out[r + j] = _mm512_reduce_add_ps(acc[j]) + bias;
+        }
+        r += ROWS;
+    }
+}
+
+/// The AVX-512 8-bit kernel reading scales and biases in their stored type.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q8_vnni_raw<const TY: u8>(a: &Q8RowsArgs<'_>, raw: &RawScales<'_>, out: &mut [f32]) {
+    let (xq, ld) = (a.xq.as_ptr(), a.lane_d.as_ptr());
+    let groups = a.xq.len() / a.group;
+    let size = raw.size;
+    let idx = _mm512_loadu_si512(group_lanes::<16>(4, a.group).as_ptr() as *const _);
+    for (r, o) in out.iter_mut().enumerate().take(a.rows) {
+        let pp = a.packed.as_ptr().add(r * a.row_bytes);
+        let sc = raw.scales.as_ptr().add(r * groups * size);
+        let mut acc = _mm512_setzero_ps();
+        for c in 0..a.xq.len() / 64 {
+            _mm_prefetch::<_MM_HINT_T0>(pp.add(64 * c + PREFETCH_AHEAD) as *const i8);
+            let v = _mm512_loadu_si512(pp.add(64 * c) as *const _);
+            let x = _mm512_loadu_si512(xq.add(64 * c) as *const _);
+            let i = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, x);
+            // This step's groups: from column 64c, 64/group of them (at least one).
+            let (g0, count) = (64 * c / a.group, (64 / a.group).max(1));
+            let s = _mm512_permutexvar_ps(idx, load_scales::<TY>(sc.add(g0 * size), count));
+            let f = _mm512_mul_ps(_mm512_loadu_ps(ld.add(16 * c)), s);
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), f, acc);
+        }
+        let bias = bias_dot_raw::<TY>(
+            raw.biases.as_ptr().add(r * groups * size),
+            a.xsum.as_ptr(),
+            groups,
+            size,
+        );
+        *o = _mm512_reduce_add_ps(acc) + bias;
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn q4_maddubs(a: &Q8RowsArgs<'_>, out: &mut [f32]) {
+    let (xq, ld) = (a.xq.as_ptr(), a.lane_d.as_ptr());
+    let groups = a.xq.len() / a.group;
+    let m = _mm256_set1_epi8(0x0f);
+    let ones = _mm256_set1_epi16(1);
+    let idx = _mm256_loadu_si256(group_lanes::<8>(8, a.group).as_ptr() as *const _);
+    for (r, o) in out.iter_mut().enumerate().take(a.rows) {
+        let pp = a.packed.as_ptr().add(r * a.row_bytes);
+        let sc = a.scales.as_ptr().add(r * groups);
+        let mut acc = _mm256_setzero_ps();
+        for c in 0..a.xq.len() / 64 {
+            let v = _mm256_loadu_si256(pp.add(32 * c) as *const _);
+            let lo = _mm256_and_si256(v, m);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m);
+            let xe = _mm256_loadu_si256(xq.add(64 * c) as *const _);
+            let xo = _mm256_loadu_si256(xq.add(64 * c + 32) as *const _);
+            // u8 codes ≤ 15 times i8 ≤ 127: pair sums ≤ 3810, two of them ≤ 7620, no i16 saturation.
+            let p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
+            let i = _mm256_madd_epi16(p, ones);
+            let s = _mm256_permutevar8x32_ps(_mm256_loadu_ps(sc.add(64 * c / a.group)), idx);
+            let f = _mm256_mul_ps(_mm256_loadu_ps(ld.add(8 * c)), s);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), f, acc);
+        }
+        *o = hsum256(acc) + bias_dot(a.biases.as_ptr().add(r * groups), a.xsum.as_ptr(), groups);
+    }
+}
+
+/// Whether the CPU converts f16 in hardware (F16C, with AVX2 for the wide loads).
+pub(super) fn f16c_available() -> bool {
+    is_x86_feature_detected!("f16c") && is_x86_feature_detected!("avx2")
+}
+
+/// Converts little-endian f16 values to f32 (`src.len() == 2 * out.len()`), 8 at a time.
+pub(super) fn f16_to_f32(src: &[u8], out: &mut [f32]) {
+    assert_eq!(src.len(), 2 * out.len(), "f16 conversion bounds");
+    // SAFETY: called only after `f16c_available()`; the assert bounds every 16-byte load and 8-float store.
+    unsafe { f16_to_f32_impl(src, out) }
+}
+
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn f16_to_f32_impl(src: &[u8], out: &mut [f32]) {
+    let n = out.len();
+    let mut i = 0;
+    while i + 8 <= n {
+        let h = _mm_loadu_si128(src.as_ptr().add(2 * i) as *const __m128i);
+        _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        i += 8;
+    }
+    for j in i..n {
+        out[j] = half::f16::from_bits(u16::from_le_bytes([src[2 * j], src[2 * j + 1]])).to_f32();
+    }
+}

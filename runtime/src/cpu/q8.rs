@@ -1,0 +1,161 @@
+//! Int8-activation kernels (`--kernels q8`): each token's activations are quantized to int8 in blocks of
+//! 32 (`x ≈ d·xq`, `d = max|x|/127`), so a 4- or 8-bit weight row meets them in integer dot products
+//! (`vpdpbusd` on AVX-512 VNNI, `vpmaddubsw` on AVX2), as llama.cpp does with Q8 activations. Each
+//! 32-column block lies inside one weight group, so
+//! `y = Σ_blocks scale_g·d_b·Σ q·xq + Σ_g bias_g·Σx_g` (the bias term uses the exact float sums).
+//!
+//! Results differ from the float kernels by the activation rounding (about 0.4% of a block's largest
+//! value per element); like them, a token's result never depends on the batch or thread count.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::{Isa, QuantMatrix};
+
+/// Columns per activation quantization block.
+pub const BLOCK: usize = 32;
+
+static ENABLED: AtomicBool = AtomicBool::new(false);
+
+/// Turns int8-activation kernels on or off for this process (off by default: the float kernels match
+/// mlx-lm to ~1e-5).
+pub fn set_q8_activations(on: bool) {
+    ENABLED.store(on, Ordering::Relaxed);
+}
+
+/// Whether int8-activation kernels are on.
+pub fn q8_activations() -> bool {
+    ENABLED.load(Ordering::Relaxed)
+}
+
+/// Whether an int8-activation kernel serves `q` on `isa` (otherwise the float kernels do, even when on).
+pub fn has_kernel(q: &QuantMatrix<'_>, isa: Isa) -> bool {
+    cfg!(target_arch = "x86_64") && Q8Kernel::for_matrix(q, isa).is_some()
+}
+
+/// Which integer kernel serves a matrix, and the activation layout it wants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Q8Kernel {
+    /// 4 or 8.
+    pub bits: u32,
+    /// AVX-512 VNNI (else AVX2).
+    pub avx512: bool,
+}
+
+impl Q8Kernel {
+    /// The kernel for `q` on `isa`, if one exists.
+    pub fn for_matrix(q: &QuantMatrix<'_>, isa: Isa) -> Option<Self> {
+        let vnni = vnni_available();
+        let k = match (q.bits, isa) {
+            (4, Isa::Avx512) if vnni => Self { bits: 4, avx512: true },
+            (4, Isa::Avx2 | Isa::Avx512) => Self { bits: 4, avx512: false },
+            (8, Isa::Avx512) if vnni => Self { bits: 8, avx512: true },
+            _ => return None,
+        };
+        (q.group.is_multiple_of(BLOCK) && q.group <= 128 && q.cols.is_multiple_of(k.chunk())).then_some(k)
+    }
+
+    /// Columns per kernel step; 4-bit steps keep even elements in the first half of a chunk and odd ones
+    /// in the second (a byte's low nibble is the even element).
+    pub fn chunk(self) -> usize {
+        match (self.bits, self.avx512) {
+            (4, true) => 128,
+            (4, false) => 64,
+            _ => 64,
+        }
+    }
+
+    /// Columns each i32 lane of the integer dot covers.
+    pub fn lane_cols(self) -> usize {
+        if self.bits == 4 {
+            8
+        } else {
+            4
+        }
+    }
+}
+
+fn vnni_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx512vnni")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Quantized activations of `n` tokens laid out for one kernel.
+pub(super) struct QuantActs {
+    /// Per token, `cols` int8 values in the kernel's order.
+    pub xq: Vec<i8>,
+    /// Per token, the block scale `d` of each lane (`cols / lane_cols` values).
+    pub lane_d: Vec<f32>,
+}
+
+/// Quantizes one block: `d = max|x|/127`, `q = round(x/d)`.
+pub fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    if amax == 0.0 || !amax.is_finite() {
+        q.fill(0);
+        return if amax.is_finite() { 0.0 } else { f32::NAN };
+    }
+    let d = amax / 127.0;
+    let inv = 1.0 / d;
+    for (o, v) in q.iter_mut().zip(x) {
+        *o = (v * inv).round().clamp(-127.0, 127.0) as i8;
+    }
+    d
+}
+
+/// Quantizes `x` (`[n, cols]`) for kernel `k`.
+pub(super) fn quantize(x: &[f32], n: usize, cols: usize, k: Q8Kernel) -> QuantActs {
+    let lanes = cols / k.lane_cols();
+    let mut xq = vec![0i8; n * cols];
+    let mut lane_d = vec![0f32; n * lanes];
+    let mut natural = vec![0i8; cols];
+    let mut d = vec![0f32; cols / BLOCK];
+    for t in 0..n {
+        let xt = &x[t * cols..(t + 1) * cols];
+        for (b, (xb, qb)) in xt.chunks(BLOCK).zip(natural.chunks_mut(BLOCK)).enumerate() {
+            d[b] = quantize_block(xb, qb);
+        }
+        let out = &mut xq[t * cols..(t + 1) * cols];
+        if k.bits == 4 {
+            let (chunk, half) = (k.chunk(), k.chunk() / 2);
+            for (src, dst) in natural.chunks_exact(chunk).zip(out.chunks_exact_mut(chunk)) {
+                for i in 0..half {
+                    dst[i] = src[2 * i];
+                    dst[half + i] = src[2 * i + 1];
+                }
+            }
+        } else {
+            out.copy_from_slice(&natural);
+        }
+        for (l, v) in lane_d[t * lanes..(t + 1) * lanes].iter_mut().enumerate() {
+            *v = d[l * k.lane_cols() / BLOCK];
+        }
+    }
+    QuantActs { xq, lane_d }
+}
+
+/// The oracle for one row: exact integer block sums, then `Σ scale·d·isum + Σ bias·xsum` in block order.
+/// `codes` are the row's unpacked codes, `xq`/`d` the natural-order quantized activations.
+pub fn reference_row(
+    codes: &[u32],
+    xq: &[i8],
+    d: &[f32],
+    scales: &[f32],
+    biases: &[f32],
+    xsum: &[f32],
+    group: usize,
+) -> f32 {
+    let mut acc = 0f32;
+    for (b, (cb, qb)) in codes.chunks(BLOCK).zip(xq.chunks(BLOCK)).enumerate() {
+        let isum: i32 = cb.iter().zip(qb).map(|(&c, &q)| c as i32 * q as i32).sum();
+        acc += scales[b * BLOCK / group] * d[b] * isum as f32;
+    }
+    acc + biases.iter().zip(xsum).map(|(b, s)| b * s).sum::<f32>()
+}
