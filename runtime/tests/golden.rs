@@ -4,7 +4,11 @@
 //! codes and scales; the gap is summation order and f64 vs f32 RoPE angles (observed max ≈ 1e-5).
 //! Greedy tokens must be identical.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::fixtures;
+
+use std::path::Path;
 
 use sluice_runtime::sampling::argmax;
 use sluice_runtime::{load_model, ForwardOptions};
@@ -16,18 +20,6 @@ struct Golden {
     logits: Vec<Vec<f32>>,
     greedy: Vec<u32>,
     logits_top1: Vec<f32>,
-}
-
-pub fn fixtures() -> Vec<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures");
-    let mut v: Vec<PathBuf> = std::fs::read_dir(&root)
-        .expect("fixtures/ exists")
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.join("golden.json").exists())
-        .collect();
-    v.sort();
-    assert!(v.len() >= 16, "expected the committed fixtures, found {}", v.len());
-    v
 }
 
 fn golden(dir: &Path) -> Golden {

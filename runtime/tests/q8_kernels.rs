@@ -2,23 +2,14 @@
 //! process-wide: every matmul shape and token count against the oracle, and every fixture's logits against
 //! mlx-lm within the activation-rounding tolerance.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::fixtures;
 
 use rand::{Rng, SeedableRng};
 use sluice_runtime::cpu::q8::{has_kernel, quantize_block, reference_row, set_q8_activations, BLOCK};
-use sluice_runtime::cpu::{FloatType, Isa, MatRef, QuantMatrix};
+use sluice_runtime::cpu::{pack_codes, FloatType, Isa, MatRef, QuantMatrix};
 use sluice_runtime::{load_model, ForwardOptions};
-
-fn pack(bits: u32, codes: &[u32]) -> Vec<u8> {
-    let mut out = vec![0u8; codes.len() * bits as usize / 8];
-    for (k, &c) in codes.iter().enumerate() {
-        for j in 0..bits as usize {
-            let pos = k * bits as usize + j;
-            out[pos / 8] |= (((c >> j) & 1) as u8) << (pos % 8);
-        }
-    }
-    out
-}
 
 #[test]
 fn matmul_matches_the_int8_oracle_for_every_shape() {
@@ -37,7 +28,7 @@ fn matmul_matches_the_int8_oracle_for_every_shape() {
         let scales: Vec<f32> = (0..rows * gpr).map(|_| rng.gen_range(-0.1f32..0.1)).collect();
         let biases: Vec<f32> = (0..rows * gpr).map(|_| rng.gen_range(-1f32..1.0)).collect();
         let x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-3f32..3.0)).collect();
-        let packed = pack(bits, &codes);
+        let packed = pack_codes(bits, &codes);
         let sb: Vec<u8> = scales.iter().flat_map(|v| v.to_le_bytes()).collect();
         let bb: Vec<u8> = biases.iter().flat_map(|v| v.to_le_bytes()).collect();
         let qm = QuantMatrix {
@@ -79,17 +70,6 @@ fn matmul_matches_the_int8_oracle_for_every_shape() {
             }
         }
     }
-}
-
-fn fixtures() -> Vec<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures");
-    let mut v: Vec<PathBuf> = std::fs::read_dir(&root)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.join("golden.json").exists())
-        .collect();
-    v.sort();
-    v
 }
 
 #[derive(serde::Deserialize)]

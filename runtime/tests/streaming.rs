@@ -2,7 +2,11 @@
 //! direct or buffered reads, packed store or in-place safetensors; corrupt stores and failing reads are
 //! clear errors, never wrong tokens.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::{fixture, fixtures};
+
+use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -14,22 +18,6 @@ use sluice_runtime::{
     convert_model, load_model_with, DecoderModel, ExpertMode, ExpertOptions, ForwardOptions, GenerateParams, Pipeline,
     PrefetchMode, Prompt,
 };
-
-fn fixtures() -> Vec<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures");
-    let mut v: Vec<PathBuf> = std::fs::read_dir(&root)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.join("golden.json").exists())
-        .collect();
-    v.sort();
-    assert!(v.len() >= 16);
-    v
-}
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures").join(name)
-}
 
 fn load(path: &Path, opts: &ExpertOptions) -> DecoderModel {
     let dir = if expert_store::is_store(path) {
@@ -87,7 +75,11 @@ fn streamed_equals_resident_on_every_fixture() {
     let tmp = tempfile::tempdir().unwrap();
     for (i, dir) in fixtures().into_iter().enumerate() {
         let want = trace(&load(&dir, &mmap()), 5);
-        assert!(trace(&load(&dir, &resident()), 5) == want, "{}: resident directory", dir.display());
+        assert!(
+            trace(&load(&dir, &resident()), 5) == want,
+            "{}: resident directory",
+            dir.display()
+        );
         let store = tmp.path().join(format!("store{i}"));
         convert_model(&dir, &store, false, &|_, _| {}).unwrap();
         // Slot size: the largest record rounded to 16 KiB; a layer's worth is num_experts of them.

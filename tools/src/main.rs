@@ -4,6 +4,7 @@
 
 mod bench;
 mod store_cmds;
+mod synth;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -34,6 +35,8 @@ enum Command {
     Inspect(store_cmds::InspectArgs),
     /// Measure prefill and decode speed, expert I/O and the disk's own limit, cold and warm.
     Bench(bench::BenchArgs),
+    /// Write a random-weight model with the exact shapes of a real one (any size, streamed to disk).
+    Synth(synth::SynthArgs),
 }
 
 #[derive(Args)]
@@ -112,6 +115,7 @@ fn main() -> Result<()> {
         Command::Convert(args) => store_cmds::convert(args),
         Command::Inspect(args) => store_cmds::inspect(args),
         Command::Bench(args) => bench::run(args),
+        Command::Synth(args) => synth::run(args),
     }
 }
 

@@ -206,6 +206,18 @@ impl Isa {
     }
 }
 
+/// Packs `bits`-bit codes into MLX's little-endian bit stream (code `k` at bits `[k·bits, (k+1)·bits)`).
+pub fn pack_codes(bits: u32, codes: &[u32]) -> Vec<u8> {
+    let mut out = vec![0u8; (codes.len() * bits as usize).div_ceil(8)];
+    for (k, &c) in codes.iter().enumerate() {
+        for j in 0..bits as usize {
+            let pos = k * bits as usize + j;
+            out[pos / 8] |= (((c >> j) & 1) as u8) << (pos % 8);
+        }
+    }
+    out
+}
+
 /// Work below this many weight elements runs on the calling thread (rayon's overhead would dominate).
 const PAR_MIN_ELEMS: usize = 1 << 15;
 

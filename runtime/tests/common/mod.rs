@@ -1,0 +1,22 @@
+//! Helpers shared by the integration tests.
+
+use std::path::{Path, PathBuf};
+
+/// Every committed fixture directory (those with a `golden.json`), sorted.
+pub fn fixtures() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures");
+    let mut v: Vec<PathBuf> = std::fs::read_dir(&root)
+        .expect("fixtures/ exists")
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("golden.json").exists())
+        .collect();
+    v.sort();
+    assert!(v.len() >= 16, "expected the committed fixtures, found {}", v.len());
+    v
+}
+
+/// One fixture directory by name.
+#[allow(dead_code)] // not every test binary uses it
+pub fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures").join(name)
+}

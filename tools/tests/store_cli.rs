@@ -1,0 +1,159 @@
+//! `sluice convert`, `inspect`, `bench` and the engine flags of `generate`, through the binary.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures").join(name)
+}
+
+fn sluice(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_sluice")).args(args).output().unwrap()
+}
+
+fn ok(args: &[&str]) -> (String, String) {
+    let out = sluice(args);
+    let (o, e) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    assert!(out.status.success(), "{args:?} failed: {e}");
+    (o, e)
+}
+
+fn fails(args: &[&str]) -> String {
+    let out = sluice(args);
+    let e = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "{args:?} should fail: {e}");
+    assert!(!e.contains("panicked"), "panic: {e}");
+    e
+}
+
+fn generate(model: &Path, extra: &[&str]) -> (String, String) {
+    let mut args = vec![
+        "generate",
+        "-m",
+        model.to_str().unwrap(),
+        "--prompt",
+        "The quick brown fox",
+        "-n",
+        "10",
+    ];
+    args.extend_from_slice(extra);
+    ok(&args)
+}
+
+#[test]
+fn convert_inspect_and_generate_from_a_store_match_the_directory() {
+    let dir = fixture("mixtral-q4g64");
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let s = store.to_str().unwrap();
+    let (_, err) = ok(&["convert", "-m", dir.to_str().unwrap(), "-o", s]);
+    assert!(err.contains("verified every checksum"), "{err}");
+    let (out, _) = ok(&["inspect", s]);
+    assert!(out.contains("records:") && out.contains("format version 1"), "{out}");
+    let (out, _) = ok(&["inspect", "--verify", s]);
+    assert!(out.contains("checksums match"), "{out}");
+
+    let (want, _) = generate(&dir, &["--experts", "mmap"]);
+    for flags in [
+        vec![],
+        vec!["--expert-cache", "16K", "--io-depth", "1"],
+        vec!["--expert-cache", "64KiB", "--prefetch", "next-layer"],
+        vec!["--expert-cache", "1M", "--prefetch", "prev-token", "--direct-io"],
+        vec!["--experts", "resident", "--no-verify"],
+    ] {
+        let (got, err) = generate(&store, &flags);
+        assert_eq!(got, want, "store with {flags:?}");
+        if flags.contains(&"--expert-cache") {
+            assert!(
+                err.contains("experts:") && err.contains("misses"),
+                "I/O summary line: {err}"
+            );
+        }
+        let (got, _) = generate(&dir, &flags);
+        assert_eq!(got, want, "in place with {flags:?}");
+    }
+    // Overwriting needs --force; a flipped byte is found by inspect --verify.
+    assert!(fails(&["convert", "-m", dir.to_str().unwrap(), "-o", s]).contains("--force"));
+    ok(&["convert", "-m", dir.to_str().unwrap(), "-o", s, "--force"]);
+    let data = store.join("experts.bin");
+    let mut bytes = std::fs::read(&data).unwrap();
+    bytes[20000] ^= 1;
+    std::fs::write(&data, bytes).unwrap();
+    let err = fails(&["inspect", "--verify", s]);
+    assert!(err.contains("corrupt record: layer") && err.contains("1 of"), "{err}");
+}
+
+#[test]
+fn bench_reports_runs_and_probes_as_json() {
+    let dir = fixture("qwen3_moe-q4g64");
+    let d = dir.to_str().unwrap();
+    let (out, _) = ok(&[
+        "bench",
+        "-m",
+        d,
+        "-p",
+        "8",
+        "-n",
+        "4",
+        "--expert-cache",
+        "64K",
+        "--probe-seconds",
+        "0.2",
+        "--json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["mode"], "stream");
+    assert_eq!(v["runs"].as_array().unwrap().len(), 2);
+    for r in v["runs"].as_array().unwrap() {
+        assert!(r["decode_tok_s"].as_f64().unwrap() > 0.0);
+        assert!(r["read_bytes_per_token"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    assert!(v["disk_probe_gb_s"].as_f64().unwrap() > 0.0);
+    assert!(v["dram_probe_gb_s"].as_f64().unwrap() > 0.0);
+    let (out, _) = ok(&[
+        "bench",
+        "-m",
+        d,
+        "-p",
+        "4",
+        "-n",
+        "2",
+        "--runs",
+        "warm",
+        "--probe-seconds",
+        "0",
+    ]);
+    assert!(out.contains("decode/s") && out.contains("warm"), "{out}");
+}
+
+#[test]
+fn bad_engine_flags_and_stores_are_clear_errors() {
+    let dir = fixture("qwen3_moe-q4g64");
+    let d = dir.to_str().unwrap();
+    let bad = |extra: &[&str], want: &str| {
+        let mut args = vec!["generate", "-m", d, "--prompt", "hi", "-n", "2"];
+        args.extend_from_slice(extra);
+        let e = fails(&args);
+        assert!(e.contains(want), "{extra:?}: {e}");
+    };
+    bad(&["--expert-cache", "12Q"], "unknown size unit");
+    bad(&["--expert-cache", "1K"], "smaller than one record slot");
+    bad(&["--io-depth", "0"], "--io-depth");
+    bad(&["--prefetch", "always"], "unknown prefetch mode");
+    bad(&["--experts", "cloud"], "unknown expert mode");
+    bad(&["--kernels", "fast"], "invalid value");
+    let tmp = tempfile::tempdir().unwrap();
+    let e = fails(&["inspect", tmp.path().to_str().unwrap()]);
+    assert!(e.contains("sluice-store.json"), "{e}");
+    let e = fails(&[
+        "convert",
+        "-m",
+        tmp.path().to_str().unwrap(),
+        "-o",
+        tmp.path().join("x").to_str().unwrap(),
+    ]);
+    assert!(e.contains("config.json"), "{e}");
+}

@@ -1,0 +1,243 @@
+//! `sluice synth`: random models of real shapes that load, generate, and come out the size asked for.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn sluice(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_sluice")).args(args).output().unwrap()
+}
+
+/// Runs `args`, asserting success; returns stdout and stderr.
+fn ok(args: &[&str]) -> (String, String) {
+    let out = sluice(args);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{args:?}: {err}");
+    (String::from_utf8_lossy(&out.stdout).into_owned(), err)
+}
+
+/// The number in "generated: N tokens" of a generate summary line.
+fn generated(stderr: &str) -> usize {
+    let rest = stderr
+        .split("generated: ")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no summary: {stderr}"));
+    rest.split(' ').next().unwrap().parse().unwrap()
+}
+
+fn dir_bytes(d: &Path) -> u64 {
+    std::fs::read_dir(d)
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .sum()
+}
+
+/// Checks every shard as a safetensors reader would (contiguous data, exact length) plus our 64-byte alignment
+/// and the index; returns the tensor names.
+fn check_shards(dir: &Path) -> Vec<String> {
+    let index: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("model.safetensors.index.json")).unwrap()).unwrap();
+    let map = index["weight_map"].as_object().unwrap();
+    let mut names = Vec::new();
+    let mut total = 0;
+    let mut files: Vec<&str> = map.values().map(|v| v.as_str().unwrap()).collect();
+    files.sort_unstable();
+    files.dedup();
+    for f in files {
+        let data = std::fs::read(dir.join(f)).unwrap();
+        let n = u64::from_le_bytes(data[..8].try_into().unwrap()) as usize;
+        let header: serde_json::Map<String, Value> = serde_json::from_slice(&data[8..8 + n]).unwrap();
+        let mut ranges: Vec<(u64, u64, &str)> = header
+            .iter()
+            .filter(|(k, _)| *k != "__metadata__")
+            .map(|(k, v)| {
+                (
+                    v["data_offsets"][0].as_u64().unwrap(),
+                    v["data_offsets"][1].as_u64().unwrap(),
+                    &k[..],
+                )
+            })
+            .collect();
+        ranges.sort_unstable();
+        let mut pos = 0;
+        for (s, e, name) in ranges {
+            assert_eq!(s, pos, "{f}: {name} is not contiguous");
+            // Aligned to 64 bytes, or as far as its size allows (a tiny router's scales may be 32 bytes).
+            let align = 1u64 << (e - s).trailing_zeros().min(6);
+            assert_eq!((8 + n as u64 + s) % align, 0, "{f}: {name} is not {align}-byte aligned");
+            assert_eq!(map[name], f, "index entry of {name}");
+            pos = e;
+            names.push(name.to_string());
+        }
+        assert_eq!(8 + n + pos as usize, data.len(), "{f}: length");
+        total += pos;
+    }
+    assert_eq!(index["metadata"]["total_size"], total);
+    assert_eq!(names.len(), map.len());
+    names
+}
+
+#[test]
+fn synthesized_models_load_and_generate() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (shape, extra) in [
+        (
+            "qwen3-30b-a3b",
+            &[
+                "--layers",
+                "2",
+                "--experts",
+                "4",
+                "--hidden",
+                "256",
+                "--moe-inter",
+                "128",
+            ][..],
+        ),
+        // Other quantizations the loader reads.
+        (
+            "bench-7b",
+            &[
+                "--layers",
+                "1",
+                "--experts",
+                "4",
+                "--hidden",
+                "256",
+                "--moe-inter",
+                "128",
+                "--bits",
+                "3",
+                "--group-size",
+                "128",
+            ][..],
+        ),
+        // Small shards: the model is split over several files.
+        (
+            "mixtral-8x7b",
+            &[
+                "--layers",
+                "2",
+                "--hidden",
+                "256",
+                "--moe-inter",
+                "256",
+                "--shard-size",
+                "1M",
+            ][..],
+        ),
+    ] {
+        let out = tmp.path().join(shape);
+        let o = out.to_str().unwrap();
+        let mut args = vec!["synth", "--shape", shape, "-o", o, "--vocab", "512"];
+        args.extend_from_slice(extra);
+        ok(&args);
+        let names = check_shards(&out);
+        let config: Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+        assert_eq!(config["vocab_size"], 512);
+        let moe = if shape == "mixtral-8x7b" {
+            assert_eq!(config["num_local_experts"], 8);
+            "block_sparse_moe"
+        } else {
+            assert_eq!(config["num_experts"], 4);
+            assert_eq!(config["model_type"], "qwen3_moe");
+            assert!(names.contains(&"model.layers.0.self_attn.q_norm.weight".to_string()));
+            "mlp"
+        };
+        assert!(
+            names.contains(&format!("model.layers.0.{moe}.switch_mlp.down_proj.scales")),
+            "{names:?}"
+        );
+        assert_eq!(config["quantization"][format!("model.layers.0.{moe}.gate")]["bits"], 8);
+        if shape == "mixtral-8x7b" {
+            assert!(std::fs::read_dir(&out).unwrap().count() > 8, "expected several shards");
+        }
+
+        let (text, err) = ok(&[
+            "generate",
+            "-m",
+            o,
+            "--prompt",
+            "hello world",
+            "-n",
+            "8",
+            "--ignore-eos",
+        ]);
+        assert_eq!(generated(&err), 8, "{shape}: {err}");
+        assert!(!text.trim().is_empty(), "{shape}: no text");
+        let (_, err) = ok(&["generate", "-m", o, "--chat", "Name a fox.", "-n", "4", "--ignore-eos"]);
+        assert_eq!(generated(&err), 4, "{shape}: {err}");
+        // Streams like any model, and the logits stay finite (routing would fail on NaN otherwise).
+        let (_, err) = ok(&[
+            "generate",
+            "-m",
+            o,
+            "--prompt",
+            "hello world",
+            "-n",
+            "4",
+            "--ignore-eos",
+            "--expert-cache",
+            "1M",
+        ]);
+        assert_eq!(generated(&err), 4, "{shape}: {err}");
+    }
+}
+
+#[test]
+fn size_picks_the_layer_count_and_existing_dirs_need_force() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("m");
+    let o = out.to_str().unwrap();
+    let base = [
+        "synth",
+        "--shape",
+        "bench-7b",
+        "-o",
+        o,
+        "--hidden",
+        "256",
+        "--moe-inter",
+        "128",
+        "--experts",
+        "8",
+    ];
+    let with = |extra: &[&str]| {
+        let mut args = base.to_vec();
+        args.extend_from_slice(extra);
+        ok(&args);
+        dir_bytes(&out)
+    };
+    let one = with(&["--layers", "1"]);
+    let layer = with(&["--layers", "2", "--force"]) - one;
+    for layers in [1, 5, 12] {
+        let target = one + (layers - 1) * layer + layer / 3;
+        let got = with(&["--size", &target.to_string(), "--force"]);
+        assert!(
+            got.abs_diff(target) <= layer,
+            "asked {target}, got {got} (one layer is {layer})"
+        );
+        let config: Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+        assert_eq!(config["num_hidden_layers"], layers, "for {target} bytes");
+        check_shards(&out);
+    }
+    // Suffixes are accepted; a target below one layer still gives one layer.
+    with(&["--size", "1K", "--force"]);
+    assert_eq!(dir_bytes(&out), one);
+    // --scale multiplies the shape's 24 layers.
+    with(&["--scale", "0.25", "--force"]);
+    let config: Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["num_hidden_layers"], 6);
+
+    // Without --force a non-empty directory is refused, naming it, and left alone.
+    let before = dir_bytes(&out);
+    let refused = sluice(&base);
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && err.contains("not empty") && err.contains("--force") && err.contains(o));
+    assert_eq!(dir_bytes(&out), before);
+    let bad = sluice(&["synth", "--shape", "gpt-9", "-o", o]);
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown shape"));
+    let bad = sluice(&["synth", "--shape", "bench-7b", "-o", o, "--hidden", "100", "--force"]);
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("multiple of the group size"));
+}
