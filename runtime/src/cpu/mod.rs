@@ -72,6 +72,10 @@ impl FloatType {
                 }
             }
             FloatType::BF16 => {
+                #[cfg(target_arch = "x86_64")]
+                if x86::f16c_available() {
+                    return x86::bf16_to_f32(src, out);
+                }
                 for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
                     *o = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
                 }

@@ -529,3 +529,26 @@ unsafe fn f16_to_f32_impl(src: &[u8], out: &mut [f32]) {
         out[j] = half::f16::from_bits(u16::from_le_bytes([src[2 * j], src[2 * j + 1]])).to_f32();
     }
 }
+
+/// Converts little-endian bf16 values to f32 (`src.len() == 2 * out.len()`), 8 at a time.
+pub(super) fn bf16_to_f32(src: &[u8], out: &mut [f32]) {
+    assert_eq!(src.len(), 2 * out.len(), "bf16 conversion bounds");
+    // SAFETY: called only after `f16c_available()` (which includes AVX2); the assert bounds every 16-byte
+    // load and 8-float store.
+    unsafe { bf16_to_f32_impl(src, out) }
+}
+
+#[target_feature(enable = "avx2")]
+unsafe fn bf16_to_f32_impl(src: &[u8], out: &mut [f32]) {
+    let n = out.len();
+    let mut i = 0;
+    while i + 8 <= n {
+        let h = _mm_loadu_si128(src.as_ptr().add(2 * i) as *const __m128i);
+        let w = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h));
+        _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_castsi256_ps(w));
+        i += 8;
+    }
+    for j in i..n {
+        out[j] = f32::from_bits((u16::from_le_bytes([src[2 * j], src[2 * j + 1]]) as u32) << 16);
+    }
+}
