@@ -1,5 +1,111 @@
-//! The OpenAI-compatible HTTP server and Prometheus registry of sluice.
+//! The OpenAI-compatible HTTP server of sluice: axum handlers in front of one engine thread fed by a
+//! bounded FIFO queue, SSE streaming, and a Prometheus registry that also exports the expert store's
+//! counters.
 //!
-//! Not built yet: it arrives with the server issue (engine thread behind channels, `/v1/chat/completions`,
-//! `/v1/completions`, `/metrics`). The crate exists now so the workspace has its final shape
-//! (`tools → server → runtime → expert-store`); it deliberately exports nothing.
+//! One sequence decodes at a time; queued requests wait in arrival order, a full queue answers 429, and a
+//! client that disconnects stops its generation at the next token.
+
+#![warn(missing_docs)]
+
+pub mod api;
+pub mod engine;
+pub mod metrics;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::routing::{get, post};
+use axum::Router;
+use sluice_runtime::Pipeline;
+
+use crate::api::{AppState, Loaded};
+use crate::engine::EngineHandle;
+use crate::metrics::Metrics;
+
+/// Server settings.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Address to listen on.
+    pub addr: SocketAddr,
+    /// The model id clients send (and `/v1/models` lists).
+    pub model_id: String,
+    /// Requests that may wait for the engine before 429.
+    pub max_queue: usize,
+    /// Experts per token (`None`: the model's own); requests may lower it.
+    pub top_k: Option<usize>,
+    /// Slot cache bytes, for the metrics (0 when resident).
+    pub cache_bytes: u64,
+}
+
+/// The router over `state`.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/health", get(api::health))
+        .route("/metrics", get(api::metrics))
+        .route("/v1/models", get(api::models))
+        .route("/v1/chat/completions", post(api::chat))
+        .route("/v1/completions", post(api::completions))
+        .fallback(|| async { api::ApiError::not_found() })
+        .with_state(state)
+}
+
+/// Binds `cfg.addr`, answers `/health` with 503 while `load` runs on a blocking thread, then serves until
+/// `shutdown` resolves (in-flight responses finish first). Calls `on_bound` with the bound address.
+pub async fn serve(
+    cfg: ServerConfig,
+    load: impl FnOnce() -> anyhow_free::Result<Pipeline> + Send + 'static,
+    on_bound: impl FnOnce(SocketAddr),
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    let listener = tokio::net::TcpListener::bind(cfg.addr)
+        .await
+        .map_err(|e| ServeError::Bind(cfg.addr, e))?;
+    let addr = listener.local_addr().map_err(|e| ServeError::Bind(cfg.addr, e))?;
+    on_bound(addr);
+    let state = Arc::new(AppState {
+        model_id: cfg.model_id.clone(),
+        loaded: std::sync::OnceLock::new(),
+    });
+    let app = router(Arc::clone(&state));
+    let server = tokio::spawn(async move { axum::serve(listener, app).with_graceful_shutdown(shutdown).await });
+    let pipeline = tokio::task::spawn_blocking(load)
+        .await
+        .map_err(|e| ServeError::Load(e.to_string()))?
+        .map_err(ServeError::Load)?;
+    let top_k = cfg.top_k.unwrap_or(pipeline.model.info.default_top_k);
+    let context_length = pipeline.model.info.context_length;
+    let metrics = Metrics::new(top_k, pipeline.model.expert_counters(), cfg.cache_bytes);
+    let engine = EngineHandle::start(pipeline, cfg.max_queue, Arc::clone(&metrics));
+    let _ = state.loaded.set(Loaded {
+        engine,
+        metrics,
+        top_k,
+        context_length,
+    });
+    tracing::info!(%addr, "model loaded; serving");
+    server
+        .await
+        .map_err(|e| ServeError::Serve(e.to_string()))?
+        .map_err(|e| ServeError::Serve(e.to_string()))
+}
+
+/// Loading errors are passed as text so this crate needs no error framework.
+pub mod anyhow_free {
+    /// A result whose error is a message.
+    pub type Result<T> = std::result::Result<T, String>;
+}
+
+/// Why the server stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The address could not be bound.
+    #[error("cannot listen on {0}: {1}")]
+    Bind(SocketAddr, std::io::Error),
+    /// The model failed to load.
+    #[error("loading the model: {0}")]
+    Load(String),
+    /// The HTTP server failed.
+    #[error("server: {0}")]
+    Serve(String),
+}

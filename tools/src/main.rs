@@ -3,6 +3,7 @@
 #![warn(missing_docs)]
 
 mod bench;
+mod serve;
 mod store_cmds;
 mod synth;
 
@@ -29,6 +30,8 @@ struct Cli {
 enum Command {
     /// Generate text from a prompt; the text goes to stdout, a summary line to stderr.
     Generate(GenerateArgs),
+    /// Serve the OpenAI-compatible API (chat and text completions, SSE) with Prometheus metrics.
+    Serve(serve::ServeArgs),
     /// Pack a model's experts into a store: one aligned, checksummed record per (layer, expert).
     Convert(store_cmds::ConvertArgs),
     /// Summarise a packed store; `--verify` checks every record's checksum.
@@ -112,6 +115,7 @@ fn main() -> Result<()> {
         .init();
     match Cli::parse().command {
         Command::Generate(args) => generate(args),
+        Command::Serve(args) => serve::run(args),
         Command::Convert(args) => store_cmds::convert(args),
         Command::Inspect(args) => store_cmds::inspect(args),
         Command::Bench(args) => bench::run(args),

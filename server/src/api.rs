@@ -1,0 +1,631 @@
+//! The OpenAI-compatible endpoints. Handlers stay thin: they validate, queue a job, and relay its events.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::{to_bytes, Body};
+use axum::extract::{Request, State};
+use axum::http::StatusCode;
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::stream::{self, Stream, StreamExt};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use sluice_runtime::{ChatMessage, FinishReason, GenerateParams, ModelError, Prompt, SamplingParams};
+use tokio::sync::mpsc;
+
+use crate::engine::{EngineHandle, Event, Job, SubmitError};
+use crate::metrics::Metrics;
+
+/// Largest request body accepted.
+pub const MAX_BODY: usize = 4 << 20;
+
+/// State shared by the handlers.
+pub struct AppState {
+    /// The id clients must send as `model`.
+    pub model_id: String,
+    /// Set once the model has loaded.
+    pub loaded: std::sync::OnceLock<Loaded>,
+}
+
+/// What exists once the model has loaded.
+pub struct Loaded {
+    /// The queue to the engine.
+    pub engine: EngineHandle,
+    /// Metrics registry.
+    pub metrics: Arc<Metrics>,
+    /// Experts per token the server runs (requests may lower it).
+    pub top_k: usize,
+    /// Context limit in tokens.
+    pub context_length: usize,
+}
+
+impl AppState {
+    fn loaded(&self) -> Result<&Loaded, ApiError> {
+        self.loaded.get().ok_or_else(ApiError::loading)
+    }
+}
+
+/// An OpenAI-style error response.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+    kind: &'static str,
+    param: Option<&'static str>,
+    code: Option<&'static str>,
+}
+
+impl ApiError {
+    fn bad(message: impl Into<String>, param: Option<&'static str>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param,
+            code: None,
+        }
+    }
+
+    fn with(status: StatusCode, kind: &'static str, code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+            code: Some(code),
+        }
+    }
+
+    /// 503 while the model loads.
+    pub fn loading() -> Self {
+        Self::with(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "model_loading",
+            "the model is still loading",
+        )
+    }
+
+    /// 404 for an unknown path.
+    pub fn not_found() -> Self {
+        Self::with(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "not_found",
+            "no such endpoint",
+        )
+    }
+
+    fn from_model(e: ModelError) -> Self {
+        match e {
+            ModelError::Limit(m) => {
+                let mut e = Self::bad(m, Some("messages"));
+                e.code = Some("context_length_exceeded");
+                e
+            }
+            ModelError::InvalidArgument(m) | ModelError::Tokenizer(m) => Self::bad(m, None),
+            other => Self::with(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                "internal_error",
+                other.to_string(),
+            ),
+        }
+    }
+
+    fn body(&self) -> Value {
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.body())).into_response()
+    }
+}
+
+/// `stop`: one string or several.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// Message content: a string or a list of parts (only text parts are supported).
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Deserialize)]
+struct Part {
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(default)]
+    text: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Message {
+    role: String,
+    content: Option<Content>,
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+/// The fields both completion endpoints share.
+#[derive(Deserialize)]
+struct Common {
+    model: Option<String>,
+    #[serde(default)]
+    stream: bool,
+    stream_options: Option<StreamOptions>,
+    max_tokens: Option<i64>,
+    max_completion_tokens: Option<i64>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    top_k: Option<i64>,
+    min_p: Option<f32>,
+    repetition_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    presence_penalty: Option<f32>,
+    seed: Option<u64>,
+    stop: Option<Stop>,
+    n: Option<i64>,
+    tools: Option<Value>,
+    response_format: Option<Value>,
+    /// sluice extension: experts per token for this request (at most the server's `--top-k`).
+    expert_top_k: Option<i64>,
+}
+
+#[derive(Deserialize)]
+struct ChatRequest {
+    messages: Vec<Message>,
+    #[serde(flatten)]
+    common: Common,
+}
+
+#[derive(Deserialize)]
+struct CompletionRequest {
+    prompt: Value,
+    #[serde(flatten)]
+    common: Common,
+}
+
+/// Reads and parses a JSON body, with OpenAI errors for oversized or malformed input.
+async fn parse<T: for<'de> Deserialize<'de>>(req: Request) -> Result<T, ApiError> {
+    let bytes = to_bytes(req.into_body(), MAX_BODY).await.map_err(|_| ApiError {
+        status: StatusCode::PAYLOAD_TOO_LARGE,
+        message: format!("request body exceeds {MAX_BODY} bytes"),
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("request_too_large"),
+    })?;
+    serde_json::from_slice(&bytes).map_err(|e| ApiError::bad(format!("invalid request body: {e}"), None))
+}
+
+fn now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+impl Common {
+    /// Checks the fields and builds generation settings.
+    fn params(&self, st: &AppState, l: &Loaded) -> Result<GenerateParams, ApiError> {
+        if let Some(m) = &self.model {
+            if m != &st.model_id {
+                return Err(ApiError {
+                    status: StatusCode::NOT_FOUND,
+                    message: format!("model `{m}` does not exist; this server serves `{}`", st.model_id),
+                    kind: "invalid_request_error",
+                    param: Some("model"),
+                    code: Some("model_not_found"),
+                });
+            }
+        }
+        if self.n.is_some_and(|n| n != 1) {
+            return Err(ApiError::bad("n > 1 is not supported yet", Some("n")));
+        }
+        if self.tools.as_ref().is_some_and(|t| !t.is_null()) {
+            return Err(ApiError::bad("tools are not supported yet", Some("tools")));
+        }
+        if let Some(f) = &self.response_format {
+            if f.get("type").and_then(Value::as_str) != Some("text") {
+                return Err(ApiError::bad(
+                    "response_format other than text is not supported yet",
+                    Some("response_format"),
+                ));
+            }
+        }
+        let max = self.max_completion_tokens.or(self.max_tokens).unwrap_or(256);
+        if max < 1 || max as u64 > l.context_length as u64 {
+            return Err(ApiError::bad(
+                format!(
+                    "max_tokens must be between 1 and the context length {}",
+                    l.context_length
+                ),
+                Some("max_tokens"),
+            ));
+        }
+        let expert_top_k = match self.expert_top_k {
+            None => None,
+            Some(k) if k >= 1 && k as usize <= l.top_k => Some(k as usize),
+            Some(_) => {
+                return Err(ApiError::bad(
+                    format!("expert_top_k must be between 1 and the server's --top-k {}", l.top_k),
+                    Some("expert_top_k"),
+                ))
+            }
+        };
+        let top_k = match self.top_k {
+            None | Some(-1) => 0,
+            Some(k) if k >= 0 => k as usize,
+            Some(_) => return Err(ApiError::bad("top_k must be ≥ 0 (or -1 for off)", Some("top_k"))),
+        };
+        let sampling = SamplingParams {
+            temperature: self.temperature.unwrap_or(1.0),
+            top_p: self.top_p.unwrap_or(1.0),
+            top_k,
+            min_p: self.min_p.unwrap_or(0.0),
+            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            seed: self.seed,
+            ..SamplingParams::default()
+        };
+        sampling.validate().map_err(|e| ApiError::bad(e.to_string(), None))?;
+        let stop = match &self.stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s.clone()],
+            Some(Stop::Many(v)) => v.clone(),
+        };
+        Ok(GenerateParams {
+            max_tokens: max as usize,
+            sampling,
+            stop,
+            expert_top_k: expert_top_k.or(Some(l.top_k)),
+            ..GenerateParams::default()
+        })
+    }
+}
+
+/// `GET /v1/models`.
+pub async fn models(State(st): State<Arc<AppState>>) -> Response {
+    if let Some(l) = st.loaded.get() {
+        l.metrics.requests.with_label_values(&["/v1/models", "200"]).inc();
+    }
+    Json(
+        json!({"object": "list", "data": [{"id": st.model_id, "object": "model", "created": 0, "owned_by": "sluice"}]}),
+    )
+    .into_response()
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    let r = chat_inner(&st, req).await;
+    finish(&st, "/v1/chat/completions", r)
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    let r = completions_inner(&st, req).await;
+    finish(&st, "/v1/completions", r)
+}
+
+fn finish(st: &AppState, endpoint: &str, r: Result<Response, ApiError>) -> Response {
+    let resp = r.unwrap_or_else(IntoResponse::into_response);
+    if let Some(l) = st.loaded.get() {
+        l.metrics
+            .requests
+            .with_label_values(&[endpoint, resp.status().as_str()])
+            .inc();
+    }
+    resp
+}
+
+async fn chat_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiError> {
+    let l = st.loaded()?;
+    let body: ChatRequest = parse(req).await?;
+    if body.messages.is_empty() {
+        return Err(ApiError::bad("messages must not be empty", Some("messages")));
+    }
+    let mut msgs = Vec::new();
+    for m in &body.messages {
+        if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer" | "tool") {
+            return Err(ApiError::bad(format!("unknown role `{}`", m.role), Some("messages")));
+        }
+        let text = match &m.content {
+            None => String::new(),
+            Some(Content::Text(t)) => t.clone(),
+            Some(Content::Parts(parts)) => {
+                let mut s = String::new();
+                for p in parts {
+                    if p.kind != "text" {
+                        return Err(ApiError::bad(
+                            format!("content part `{}` is not supported", p.kind),
+                            Some("messages"),
+                        ));
+                    }
+                    s.push_str(p.text.as_deref().unwrap_or(""));
+                }
+                s
+            }
+        };
+        let role = if m.role == "developer" {
+            "system"
+        } else {
+            m.role.as_str()
+        };
+        msgs.push(ChatMessage::new(role, &text));
+    }
+    let params = body.common.params(st, l)?;
+    run(l, &st.model_id, Prompt::Chat(msgs), params, &body.common, true).await
+}
+
+async fn completions_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiError> {
+    let l = st.loaded()?;
+    let body: CompletionRequest = parse(req).await?;
+    let prompt = match &body.prompt {
+        Value::String(s) => Prompt::Raw(s.clone()),
+        Value::Array(a) if a.len() == 1 && a[0].is_string() => Prompt::Raw(a[0].as_str().unwrap_or("").into()),
+        Value::Array(a) if !a.is_empty() && a.iter().all(|v| v.as_u64().is_some_and(|x| x <= u32::MAX as u64)) => {
+            Prompt::Tokens(a.iter().filter_map(Value::as_u64).map(|x| x as u32).collect())
+        }
+        _ => {
+            return Err(ApiError::bad(
+                "prompt must be a string or a list of token ids",
+                Some("prompt"),
+            ))
+        }
+    };
+    let params = body.common.params(st, l)?;
+    run(l, &st.model_id, prompt, params, &body.common, false).await
+}
+
+/// Queues the job, waits for it to start (errors before the first token become HTTP errors), then answers
+/// whole or as an SSE stream.
+async fn run(
+    l: &Loaded,
+    model: &str,
+    prompt: Prompt,
+    params: GenerateParams,
+    c: &Common,
+    chat: bool,
+) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let job = Job {
+        prompt,
+        params,
+        events: tx,
+        arrived,
+    };
+    match l.engine.submit(job) {
+        Ok(()) => {}
+        Err(SubmitError::Full) => {
+            return Err(ApiError::with(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                "queue_full",
+                "the request queue is full; retry later",
+            ))
+        }
+        Err(SubmitError::Stopped) => {
+            return Err(ApiError::with(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "engine_stopped",
+                "the engine stopped",
+            ))
+        }
+    }
+    let prompt_tokens = match rx.recv().await {
+        Some(Event::Started { prompt_tokens }) => prompt_tokens,
+        Some(Event::Failed(e)) => return Err(ApiError::from_model(e)),
+        _ => {
+            return Err(ApiError::with(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                "internal_error",
+                "the engine ended the request",
+            ))
+        }
+    };
+    let id = format!(
+        "{}-{}",
+        if chat { "chatcmpl" } else { "cmpl" },
+        arrived.elapsed().as_nanos() ^ now() as u128
+    );
+    let ctx = Reply {
+        metrics: Arc::clone(&l.metrics),
+        id,
+        model: model.to_string(),
+        chat,
+        prompt_tokens,
+        arrived,
+        include_usage: c.stream_options.as_ref().is_some_and(|o| o.include_usage),
+    };
+    if c.stream {
+        Ok(stream_reply(ctx, rx).into_response())
+    } else {
+        whole_reply(ctx, rx).await
+    }
+}
+
+struct Reply {
+    metrics: Arc<Metrics>,
+    id: String,
+    model: String,
+    chat: bool,
+    prompt_tokens: usize,
+    arrived: Instant,
+    include_usage: bool,
+}
+
+fn finish_reason(f: FinishReason) -> &'static str {
+    match f {
+        FinishReason::Length => "length",
+        _ => "stop",
+    }
+}
+
+impl Reply {
+    fn usage(&self, generated: usize) -> Value {
+        json!({"prompt_tokens": self.prompt_tokens, "completion_tokens": generated, "total_tokens": self.prompt_tokens + generated})
+    }
+
+    fn record(&self, stats: &sluice_runtime::GenerationStats) {
+        let m = &self.metrics;
+        m.e2e.observe(self.arrived.elapsed().as_secs_f64());
+        m.prompt_tokens.inc_by(stats.prompt_tokens as u64);
+        m.gen_tokens.inc_by(stats.generated_tokens as u64);
+        if !stats.prefill_time.is_zero() {
+            m.prompt_tps
+                .observe(stats.prompt_tokens as f64 / stats.prefill_time.as_secs_f64());
+        }
+        if !stats.decode_time.is_zero() && stats.decode_steps > 0 {
+            m.gen_tps
+                .observe(stats.decode_steps as f64 / stats.decode_time.as_secs_f64());
+        }
+    }
+
+    fn chunk(&self, text: Option<&str>, finish: Option<&str>) -> Value {
+        let choice = if self.chat {
+            let delta = match text {
+                Some(t) => json!({"role": "assistant", "content": t}),
+                None => json!({}),
+            };
+            json!({"index": 0, "delta": delta, "finish_reason": finish})
+        } else {
+            json!({"index": 0, "text": text.unwrap_or(""), "finish_reason": finish})
+        };
+        let object = if self.chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
+        json!({"id": self.id, "object": object, "created": now(), "model": self.model, "choices": [choice]})
+    }
+}
+
+async fn whole_reply(r: Reply, mut rx: mpsc::UnboundedReceiver<Event>) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    let mut last: Option<Instant> = None;
+    loop {
+        match rx.recv().await {
+            Some(Event::Text(t)) => {
+                tick(&r, &mut last);
+                text.push_str(&t);
+            }
+            Some(Event::Done(stats)) => {
+                r.record(&stats);
+                let fr = finish_reason(stats.finish);
+                let choice = if r.chat {
+                    json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": fr})
+                } else {
+                    json!({"index": 0, "text": text, "finish_reason": fr})
+                };
+                let object = if r.chat { "chat.completion" } else { "text_completion" };
+                return Ok(Json(json!({
+                    "id": r.id, "object": object, "created": now(), "model": r.model,
+                    "choices": [choice], "usage": r.usage(stats.generated_tokens),
+                }))
+                .into_response());
+            }
+            Some(Event::Failed(e)) => return Err(ApiError::from_model(e)),
+            Some(Event::Started { .. }) => {}
+            None => {
+                return Err(ApiError::with(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "server_error",
+                    "internal_error",
+                    "the engine ended the request",
+                ))
+            }
+        }
+    }
+}
+
+/// Records time to first token and inter-token latency.
+fn tick(r: &Reply, last: &mut Option<Instant>) {
+    let now = Instant::now();
+    match last {
+        None => r.metrics.ttft.observe(now.duration_since(r.arrived).as_secs_f64()),
+        Some(t) => r.metrics.itl.observe(now.duration_since(*t).as_secs_f64()),
+    }
+    *last = Some(now);
+}
+
+fn stream_reply(r: Reply, rx: mpsc::UnboundedReceiver<Event>) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    // State: the receiver (dropped with the stream when the client leaves, which cancels the job) and
+    // whether the end was sent.
+    let s = stream::unfold(
+        (r, rx, None::<Instant>, false),
+        |(r, mut rx, mut last, done)| async move {
+            if done {
+                return None;
+            }
+            loop {
+                match rx.recv().await {
+                    Some(Event::Text(t)) => {
+                        tick(&r, &mut last);
+                        if t.is_empty() {
+                            continue;
+                        }
+                        let ev = SseEvent::default().data(r.chunk(Some(&t), None).to_string());
+                        return Some((vec![ev], (r, rx, last, false)));
+                    }
+                    Some(Event::Done(stats)) => {
+                        r.record(&stats);
+                        let mut evs = vec![
+                            SseEvent::default().data(r.chunk(None, Some(finish_reason(stats.finish))).to_string())
+                        ];
+                        if r.include_usage {
+                            let mut u = r.chunk(None, None);
+                            u["choices"] = json!([]);
+                            u["usage"] = r.usage(stats.generated_tokens);
+                            evs.push(SseEvent::default().data(u.to_string()));
+                        }
+                        evs.push(SseEvent::default().data("[DONE]"));
+                        return Some((evs, (r, rx, last, true)));
+                    }
+                    Some(Event::Failed(e)) => {
+                        let ev = SseEvent::default().data(ApiError::from_model(e).body().to_string());
+                        return Some((vec![ev, SseEvent::default().data("[DONE]")], (r, rx, last, true)));
+                    }
+                    Some(Event::Started { .. }) => {}
+                    None => return None,
+                }
+            }
+        },
+    )
+    .flat_map(|evs| stream::iter(evs.into_iter().map(Ok)));
+    Sse::new(s)
+}
+
+/// `GET /health`: 503 while loading, 200 when ready.
+pub async fn health(State(st): State<Arc<AppState>>) -> Response {
+    if st.loaded.get().is_some() {
+        (StatusCode::OK, Json(json!({"status": "ok"}))).into_response()
+    } else {
+        ApiError::loading().into_response()
+    }
+}
+
+/// `GET /metrics`.
+pub async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    let Some(l) = st.loaded.get() else {
+        return ApiError::loading().into_response();
+    };
+    let body = l.metrics.render(l.engine.waiting(), l.engine.running());
+    ([("content-type", "text/plain; version=0.0.4")], Body::from(body)).into_response()
+}

@@ -1,0 +1,124 @@
+//! The engine: one thread owns the model and runs one generation at a time, fed by a bounded FIFO queue.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::time::Instant;
+
+use sluice_runtime::{GenerateParams, GenerationStats, ModelError, Pipeline, Prompt};
+use tokio::sync::mpsc;
+
+use crate::metrics::Metrics;
+
+/// What a request asks the engine to do.
+pub struct Job {
+    /// Prompt (text, messages or ids).
+    pub prompt: Prompt,
+    /// Generation settings.
+    pub params: GenerateParams,
+    /// Where the engine sends text and the end; dropping the receiver cancels the job.
+    pub events: mpsc::UnboundedSender<Event>,
+    /// When the request arrived (queue time).
+    pub arrived: Instant,
+}
+
+/// What the engine reports back for a job.
+pub enum Event {
+    /// The prompt's token count, once tokenized (before any text).
+    Started {
+        /// Tokens in the prompt.
+        prompt_tokens: usize,
+    },
+    /// Newly completed text of one token (may be empty while text is held back).
+    Text(String),
+    /// Finished normally.
+    Done(GenerationStats),
+    /// Failed.
+    Failed(ModelError),
+}
+
+/// The HTTP side's handle on the engine.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: SyncSender<Job>,
+    waiting: Arc<AtomicUsize>,
+    running: Arc<AtomicUsize>,
+}
+
+/// Why a job was not queued.
+pub enum SubmitError {
+    /// The queue is at capacity.
+    Full,
+    /// The engine thread is gone.
+    Stopped,
+}
+
+impl EngineHandle {
+    /// Starts the engine thread with a queue of `capacity` waiting jobs.
+    pub fn start(pipeline: Pipeline, capacity: usize, metrics: Arc<Metrics>) -> Self {
+        let (tx, rx) = sync_channel(capacity.max(1));
+        let waiting = Arc::new(AtomicUsize::new(0));
+        let running = Arc::new(AtomicUsize::new(0));
+        let (w, r) = (Arc::clone(&waiting), Arc::clone(&running));
+        std::thread::Builder::new()
+            .name("sluice-engine".into())
+            .spawn(move || run(pipeline, rx, w, r, metrics))
+            .expect("spawning the engine thread");
+        Self { tx, waiting, running }
+    }
+
+    /// Queues a job, or says why not.
+    pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        match self.tx.try_send(job) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                self.waiting.fetch_sub(1, Ordering::SeqCst);
+                Err(match e {
+                    TrySendError::Full(_) => SubmitError::Full,
+                    TrySendError::Disconnected(_) => SubmitError::Stopped,
+                })
+            }
+        }
+    }
+
+    /// Jobs waiting in the queue.
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::SeqCst)
+    }
+
+    /// Jobs being generated (0 or 1).
+    pub fn running(&self) -> usize {
+        self.running.load(Ordering::SeqCst)
+    }
+}
+
+fn run(p: Pipeline, rx: Receiver<Job>, waiting: Arc<AtomicUsize>, running: Arc<AtomicUsize>, m: Arc<Metrics>) {
+    while let Ok(job) = rx.recv() {
+        waiting.fetch_sub(1, Ordering::SeqCst);
+        m.queue_time.observe(job.arrived.elapsed().as_secs_f64());
+        // A client that left while queued frees its place without costing a generation.
+        if job.events.is_closed() {
+            continue;
+        }
+        running.store(1, Ordering::SeqCst);
+        let events = job.events;
+        let result = match p.tokenize(&job.prompt) {
+            Ok(ids) => {
+                let _ = events.send(Event::Started {
+                    prompt_tokens: ids.len(),
+                });
+                p.generate(&Prompt::Tokens(ids), &job.params, |text| {
+                    // The receiver is dropped when the client disconnects: stop at this token.
+                    events.send(Event::Text(text.to_string())).is_ok()
+                })
+            }
+            Err(e) => Err(e),
+        };
+        running.store(0, Ordering::SeqCst);
+        let _ = events.send(match result {
+            Ok(stats) => Event::Done(stats),
+            Err(e) => Event::Failed(e),
+        });
+    }
+}

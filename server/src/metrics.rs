@@ -1,0 +1,254 @@
+//! The Prometheus registry: request, latency and token metrics, plus the expert store's counters.
+
+use std::sync::{Arc, Mutex};
+
+use expert_store::{CounterSnapshot, StoreCounters, LATENCY_BOUNDS};
+use prometheus::{
+    Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
+};
+
+/// Every metric sluice exports.
+pub struct Metrics {
+    registry: Registry,
+    /// Requests by endpoint and HTTP status.
+    pub requests: IntCounterVec,
+    /// Time to first token.
+    pub ttft: Histogram,
+    /// Time between consecutive tokens.
+    pub itl: Histogram,
+    /// Request latency, arrival to last byte.
+    pub e2e: Histogram,
+    /// Time spent waiting in the queue.
+    pub queue_time: Histogram,
+    /// Prefill speed per request.
+    pub prompt_tps: Histogram,
+    /// Decode speed per request.
+    pub gen_tps: Histogram,
+    /// Prompt tokens processed.
+    pub prompt_tokens: IntCounter,
+    /// Tokens generated.
+    pub gen_tokens: IntCounter,
+    queue_len: IntGauge,
+    running: IntGauge,
+    top_k: IntGauge,
+    rss: IntGauge,
+    cache_bytes: IntGauge,
+    store: Option<StoreMetrics>,
+}
+
+/// The expert store's counters as Prometheus series, advanced from snapshots at scrape time.
+struct StoreMetrics {
+    source: Arc<StoreCounters>,
+    last: Mutex<CounterSnapshot>,
+    bytes: IntCounterVec,
+    hits: IntCounter,
+    misses: IntCounter,
+    prefetch_issued: IntCounter,
+    prefetch_hits: IntCounter,
+    prefetch_wasted_bytes: IntCounter,
+    read_errors: IntCounter,
+    io_wait: prometheus::Counter,
+    read_latency: Histogram,
+    depth: Gauge,
+}
+
+fn hist(name: &str, help: &str, buckets: Vec<f64>) -> Histogram {
+    Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets)).expect("valid histogram")
+}
+
+fn counter(name: &str, help: &str) -> IntCounter {
+    IntCounter::new(name, help).expect("valid counter")
+}
+
+fn gauge(name: &str, help: &str) -> IntGauge {
+    IntGauge::new(name, help).expect("valid gauge")
+}
+
+/// Latency buckets from 10 ms to 5 min.
+fn seconds() -> Vec<f64> {
+    vec![
+        0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+    ]
+}
+
+impl Metrics {
+    /// Registers every metric; `store` adds the expert-store series, `cache_bytes` the slot budget.
+    pub fn new(top_k: usize, store: Option<Arc<StoreCounters>>, cache_bytes: u64) -> Arc<Self> {
+        let registry = Registry::new();
+        let requests = IntCounterVec::new(
+            Opts::new("sluice_requests_total", "HTTP requests by endpoint and status"),
+            &["endpoint", "status"],
+        )
+        .expect("valid counter");
+        let tps = vec![0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0];
+        let m = Metrics {
+            requests,
+            ttft: hist(
+                "sluice_time_to_first_token_seconds",
+                "Time from arrival to the first token",
+                seconds(),
+            ),
+            itl: hist(
+                "sluice_inter_token_latency_seconds",
+                "Time between consecutive tokens",
+                seconds(),
+            ),
+            e2e: hist(
+                "sluice_e2e_request_latency_seconds",
+                "Time from arrival to the end of the response",
+                seconds(),
+            ),
+            queue_time: hist(
+                "sluice_request_queue_time_seconds",
+                "Time a request waited in the queue",
+                seconds(),
+            ),
+            prompt_tps: hist(
+                "sluice_prompt_tokens_per_second",
+                "Prefill speed of each request",
+                tps.clone(),
+            ),
+            gen_tps: hist(
+                "sluice_generation_tokens_per_second",
+                "Decode speed of each request",
+                tps,
+            ),
+            prompt_tokens: counter("sluice_prompt_tokens_total", "Prompt tokens processed"),
+            gen_tokens: counter("sluice_generation_tokens_total", "Tokens generated"),
+            queue_len: gauge("sluice_queue_length", "Requests waiting for the engine"),
+            running: gauge("sluice_requests_running", "Requests being generated"),
+            top_k: gauge(
+                "sluice_expert_top_k",
+                "Experts per token the server runs with (upper bound for requests)",
+            ),
+            rss: gauge("sluice_resident_memory_bytes", "Resident set size of the process"),
+            cache_bytes: gauge("sluice_expert_cache_bytes", "Bytes of expert slot cache"),
+            store: store.map(|source| StoreMetrics {
+                last: Mutex::new(source.snapshot()),
+                source,
+                bytes: IntCounterVec::new(
+                    Opts::new("sluice_expert_read_bytes_total", "Expert bytes read from disk"),
+                    &["kind"],
+                )
+                .expect("valid counter"),
+                hits: counter(
+                    "sluice_expert_cache_hits_total",
+                    "Expert requests served from a resident slot",
+                ),
+                misses: counter(
+                    "sluice_expert_cache_misses_total",
+                    "Expert requests that waited for a read",
+                ),
+                prefetch_issued: counter("sluice_expert_prefetch_issued_total", "Prefetch reads issued"),
+                prefetch_hits: counter("sluice_expert_prefetch_hits_total", "Prefetched records later used"),
+                prefetch_wasted_bytes: counter(
+                    "sluice_expert_prefetch_wasted_bytes_total",
+                    "Bytes of prefetched records evicted unused",
+                ),
+                read_errors: counter("sluice_expert_read_errors_total", "Expert reads that failed"),
+                io_wait: prometheus::Counter::new(
+                    "sluice_expert_io_wait_seconds_total",
+                    "Time decode steps waited for expert reads",
+                )
+                .expect("valid counter"),
+                read_latency: hist(
+                    "sluice_expert_read_latency_seconds",
+                    "Latency of one expert record read",
+                    LATENCY_BOUNDS.to_vec(),
+                ),
+                depth: Gauge::new("sluice_expert_read_queue_depth", "Effective expert read queue depth")
+                    .expect("valid gauge"),
+            }),
+            registry,
+        };
+        m.top_k.set(top_k as i64);
+        m.cache_bytes.set(cache_bytes as i64);
+        let r = &m.registry;
+        let all: Vec<Box<dyn prometheus::core::Collector>> = vec![
+            Box::new(m.requests.clone()),
+            Box::new(m.ttft.clone()),
+            Box::new(m.itl.clone()),
+            Box::new(m.e2e.clone()),
+            Box::new(m.queue_time.clone()),
+            Box::new(m.prompt_tps.clone()),
+            Box::new(m.gen_tps.clone()),
+            Box::new(m.prompt_tokens.clone()),
+            Box::new(m.gen_tokens.clone()),
+            Box::new(m.queue_len.clone()),
+            Box::new(m.running.clone()),
+            Box::new(m.top_k.clone()),
+            Box::new(m.rss.clone()),
+            Box::new(m.cache_bytes.clone()),
+        ];
+        for c in all {
+            r.register(c).expect("unique metric names");
+        }
+        if let Some(s) = &m.store {
+            let all: Vec<Box<dyn prometheus::core::Collector>> = vec![
+                Box::new(s.bytes.clone()),
+                Box::new(s.hits.clone()),
+                Box::new(s.misses.clone()),
+                Box::new(s.prefetch_issued.clone()),
+                Box::new(s.prefetch_hits.clone()),
+                Box::new(s.prefetch_wasted_bytes.clone()),
+                Box::new(s.read_errors.clone()),
+                Box::new(s.io_wait.clone()),
+                Box::new(s.read_latency.clone()),
+                Box::new(s.depth.clone()),
+            ];
+            for c in all {
+                r.register(c).expect("unique metric names");
+            }
+        }
+        Arc::new(m)
+    }
+
+    /// The text exposition, after bringing gauges and store counters up to date.
+    pub fn render(&self, waiting: usize, running: usize) -> String {
+        self.queue_len.set(waiting as i64);
+        self.running.set(running as i64);
+        if let Some(rss) = resident_bytes() {
+            self.rss.set(rss as i64);
+        }
+        if let Some(s) = &self.store {
+            s.advance();
+        }
+        let mut buf = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+impl StoreMetrics {
+    /// Adds what the store did since the last scrape.
+    fn advance(&self) {
+        let now = self.source.snapshot();
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        let d = now.since(&last);
+        self.bytes.with_label_values(&["demand"]).inc_by(d.demand_bytes);
+        self.bytes.with_label_values(&["prefetch"]).inc_by(d.prefetch_bytes);
+        self.hits.inc_by(d.hits);
+        self.misses.inc_by(d.misses);
+        self.prefetch_issued.inc_by(d.prefetch_issued);
+        self.prefetch_hits.inc_by(d.prefetch_hits);
+        self.prefetch_wasted_bytes.inc_by(d.prefetch_wasted_bytes);
+        self.read_errors.inc_by(d.read_errors);
+        self.io_wait.inc_by(d.io_wait_seconds.max(0.0));
+        // Replays each new read into the histogram at its bucket's upper bound (the store keeps only counts).
+        for (i, &n) in d.read_latency.counts.iter().enumerate() {
+            let v = LATENCY_BOUNDS.get(i).copied().unwrap_or(1.0);
+            for _ in 0..n {
+                self.read_latency.observe(v);
+            }
+        }
+        self.depth.set(now.effective_queue_depth());
+        *last = now;
+    }
+}
+
+/// Current resident set size (Linux), if known.
+fn resident_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = s.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * 4096)
+}

@@ -1,0 +1,100 @@
+//! `sluice serve`: the OpenAI-compatible server.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use sluice_runtime::Pipeline;
+use sluice_server::ServerConfig;
+
+use crate::store_cmds::EngineArgs;
+
+/// Arguments of `sluice serve`.
+#[derive(Args)]
+pub struct ServeArgs {
+    /// Model directory or packed store.
+    #[arg(short = 'm', long, env = "SLUICE_MODEL")]
+    model: PathBuf,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1", env = "SLUICE_HOST")]
+    host: String,
+    /// Port (0: any free port, printed at start).
+    #[arg(long, default_value_t = 8080, env = "SLUICE_PORT")]
+    port: u16,
+    /// Model id clients send (default: the model directory's name).
+    #[arg(long, env = "SLUICE_MODEL_ID")]
+    model_id: Option<String>,
+    /// Experts per token (default: the model's own); requests may lower it with `expert_top_k`.
+    #[arg(long, env = "SLUICE_TOP_K")]
+    top_k: Option<usize>,
+    /// Requests that may wait for the engine before new ones get 429.
+    #[arg(long, default_value_t = 64, env = "SLUICE_MAX_QUEUE")]
+    max_queue: usize,
+    /// Compute threads (default: all cores).
+    #[arg(short = 't', long, env = "SLUICE_THREADS")]
+    threads: Option<usize>,
+    #[command(flatten)]
+    engine: EngineArgs,
+}
+
+/// Runs `sluice serve` until SIGINT or SIGTERM.
+pub fn run(a: ServeArgs) -> Result<()> {
+    crate::set_threads(a.threads)?;
+    if a.max_queue == 0 {
+        bail!("--max-queue must be at least 1");
+    }
+    let opts = a.engine.options()?;
+    let addr: SocketAddr = format!("{}:{}", a.host, a.port)
+        .parse()
+        .with_context(|| format!("bad --host/--port `{}:{}`", a.host, a.port))?;
+    let model_id = a.model_id.clone().unwrap_or_else(|| {
+        a.model
+            .canonicalize()
+            .ok()
+            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "sluice".into())
+    });
+    let cfg = ServerConfig {
+        addr,
+        model_id: model_id.clone(),
+        max_queue: a.max_queue,
+        top_k: a.top_k,
+        cache_bytes: opts.cache_bytes.unwrap_or(0),
+    };
+    let model = a.model.clone();
+    let load = move || Pipeline::load_with(&model, &opts).map_err(|e| format!("{}: {e}", model.display()));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(sluice_server::serve(
+        cfg,
+        load,
+        |bound| {
+            eprintln!("sluice: serving `{model_id}` on http://{bound} (loading the model; /health says when ready)")
+        },
+        shutdown_signal(),
+    ))?;
+    eprintln!("sluice: shut down");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+}

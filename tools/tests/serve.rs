@@ -1,0 +1,373 @@
+//! `sluice serve` over real HTTP on a random port with a fixture model.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use sluice_runtime::{ChatMessage, GenerateParams, Pipeline, Prompt, SamplingParams};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures").join(name)
+}
+
+/// A running server, killed on drop.
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start(extra: &[&str]) -> Server {
+    let dir = fixture("qwen3_moe-q4g64");
+    let mut args = vec!["serve", "-m", dir.to_str().unwrap(), "--port", "0", "--model-id", "fox"];
+    args.extend_from_slice(extra);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(&args)
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stderr.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string();
+    let s = Server { child, addr };
+    let t = Instant::now();
+    while request(&s, "GET", "/health", "").0 != 200 {
+        assert!(t.elapsed() < Duration::from_secs(30), "server never became ready");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    s
+}
+
+/// One HTTP/1.1 request; returns status and body (chunked bodies are de-chunked).
+fn request(s: &Server, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    write!(
+        c,
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    c.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, rest) = text.split_once("\r\n\r\n").unwrap();
+    let status: u16 = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        let mut out = String::new();
+        let mut r = rest;
+        while let Some((size, tail)) = r.split_once("\r\n") {
+            let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+            if n == 0 {
+                break;
+            }
+            out.push_str(&tail[..n]);
+            r = &tail[n + 2..];
+        }
+        out
+    } else {
+        rest.to_string()
+    };
+    (status, body)
+}
+
+fn post(s: &Server, path: &str, body: &Value) -> (u16, Value) {
+    let (st, b) = request(s, "POST", path, &body.to_string());
+    (st, serde_json::from_str(&b).unwrap_or_else(|_| json!({"raw": b})))
+}
+
+/// The data lines of an SSE body, parsed, up to `[DONE]` (which must be there).
+fn sse(body: &str) -> Vec<Value> {
+    let data: Vec<&str> = body.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    assert_eq!(data.last(), Some(&"[DONE]"), "{body}");
+    data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
+fn greedy(prompt: Prompt, max: usize) -> String {
+    let p = Pipeline::load(&fixture("qwen3_moe-q4g64")).unwrap();
+    let mut text = String::new();
+    let params = GenerateParams {
+        max_tokens: max,
+        sampling: SamplingParams {
+            temperature: 0.0,
+            ..SamplingParams::default()
+        },
+        ..GenerateParams::default()
+    };
+    p.generate(&prompt, &params, |t| {
+        text.push_str(t);
+        true
+    })
+    .unwrap();
+    text
+}
+
+#[test]
+fn endpoints_match_generate_streaming_and_not() {
+    let s = start(&[]);
+    let (st, body) = request(&s, "GET", "/v1/models", "");
+    assert_eq!(st, 200);
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["data"][0]["id"], "fox");
+
+    let want = greedy(Prompt::Chat(vec![ChatMessage::new("user", "Name a fox.")]), 12);
+    let req = json!({"model": "fox", "messages": [{"role": "user", "content": "Name a fox."}], "max_tokens": 12, "temperature": 0});
+    let (st, v) = post(&s, "/v1/chat/completions", &req);
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], want.as_str());
+    assert_eq!(
+        v["usage"]["completion_tokens"].as_u64().unwrap() as usize,
+        12.min(v["usage"]["completion_tokens"].as_u64().unwrap() as usize)
+    );
+    let mut streamed = req.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let (st, body) = request(&s, "POST", "/v1/chat/completions", &streamed.to_string());
+    assert_eq!(st, 200);
+    let chunks = sse(&body);
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(text, want);
+    assert_eq!(chunks.last().unwrap()["usage"], v["usage"]);
+
+    let want = greedy(Prompt::Raw("The quick brown fox".into()), 10);
+    let req = json!({"prompt": "The quick brown fox", "max_tokens": 10, "temperature": 0});
+    let (st, v) = post(&s, "/v1/completions", &req);
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"], want.as_str());
+    let mut streamed = req.clone();
+    streamed["stream"] = json!(true);
+    let (_, body) = request(&s, "POST", "/v1/completions", &streamed.to_string());
+    let text: String = sse(&body)
+        .iter()
+        .filter_map(|c| c["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(text, want);
+
+    // A lower expert top-k per request is accepted; above the server's is refused.
+    let (st, _) = post(
+        &s,
+        "/v1/completions",
+        &json!({"prompt": "hi", "max_tokens": 3, "expert_top_k": 1}),
+    );
+    assert_eq!(st, 200);
+    let (st, v) = post(
+        &s,
+        "/v1/completions",
+        &json!({"prompt": "hi", "max_tokens": 3, "expert_top_k": 9}),
+    );
+    assert_eq!((st, v["error"]["param"].as_str()), (400, Some("expert_top_k")));
+
+    // Metrics after traffic: the series the README lists exist.
+    let (st, m) = request(&s, "GET", "/metrics", "");
+    assert_eq!(st, 200);
+    for name in [
+        "sluice_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"}",
+        "sluice_time_to_first_token_seconds_bucket",
+        "sluice_inter_token_latency_seconds_bucket",
+        "sluice_e2e_request_latency_seconds_bucket",
+        "sluice_prompt_tokens_total",
+        "sluice_generation_tokens_total",
+        "sluice_queue_length",
+        "sluice_requests_running",
+        "sluice_expert_top_k",
+        "sluice_resident_memory_bytes",
+        "sluice_expert_cache_hits_total",
+        "sluice_expert_read_bytes_total",
+    ] {
+        assert!(m.contains(name), "{name} missing from /metrics");
+    }
+    // Every metric the Grafana dashboard queries exists.
+    let dash =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../dashboards/sluice.json")).unwrap();
+    let mut queried = 0;
+    for word in dash.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+        if let Some(base) = word.strip_prefix("sluice_") {
+            let name = format!("sluice_{base}");
+            let name = name.strip_suffix("_bucket").unwrap_or(&name);
+            assert!(
+                m.contains(&format!("\n{name}")) || m.contains(&format!("# TYPE {name} ")),
+                "dashboard queries {name}, not exported"
+            );
+            queried += 1;
+        }
+    }
+    assert!(queried >= 20, "dashboard queries only {queried} sluice metrics");
+}
+
+#[test]
+fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
+    let s = start(&[]);
+    let long = "word ".repeat(2000);
+    let cases: Vec<(&str, String, u16, &str)> = vec![
+        ("/v1/chat/completions", "{not json".into(), 400, "invalid request body"),
+        (
+            "/v1/chat/completions",
+            json!({"messages": "hi"}).to_string(),
+            400,
+            "invalid request body",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": []}).to_string(),
+            400,
+            "must not be empty",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "wizard", "content": "x"}]}).to_string(),
+            400,
+            "unknown role",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}).to_string(),
+            404,
+            "does not exist",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": long}).to_string(),
+            400,
+            "context limit",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": -1}).to_string(),
+            400,
+            "max_tokens",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": 1_000_000_000}).to_string(),
+            400,
+            "max_tokens",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "n": 2}).to_string(),
+            400,
+            "n > 1",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}], "tools": [{}]}).to_string(),
+            400,
+            "tools",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "temperature": -1}).to_string(),
+            400,
+            "temperature",
+        ),
+        ("/v1/completions", "x".repeat(5 << 20), 413, "exceeds"),
+        ("/v1/nothing", "{}".into(), 404, "no such endpoint"),
+    ];
+    for (path, body, status, msg) in cases {
+        let (st, b) = request(&s, "POST", path, &body);
+        let v: Value = serde_json::from_str(&b).unwrap_or_else(|_| panic!("{path}: not JSON: {b}"));
+        assert_eq!(st, status, "{path} {}: {v}", &body[..body.len().min(80)]);
+        let e = &v["error"];
+        assert!(e["message"].as_str().unwrap().contains(msg), "{v}");
+        assert!(
+            e.get("type").is_some() && e.get("param").is_some() && e.get("code").is_some(),
+            "{v}"
+        );
+    }
+    let (st, _) = post(&s, "/v1/completions", &json!({"prompt": "still here", "max_tokens": 2}));
+    assert_eq!(st, 200);
+}
+
+#[test]
+fn concurrent_clients_get_their_own_answers_and_a_full_queue_says_429() {
+    let s = start(&["--max-queue", "64"]);
+    let prompts: Vec<String> = (0..32).map(|i| format!("Fox number {i} says")).collect();
+    let want: Vec<String> = prompts.iter().map(|p| greedy(Prompt::Raw(p.clone()), 8)).collect();
+    let got: Vec<(u16, Value)> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (prompts.iter())
+            .map(|p| {
+                let s = &s;
+                sc.spawn(move || {
+                    post(
+                        s,
+                        "/v1/completions",
+                        &json!({"prompt": p, "max_tokens": 8, "temperature": 0}),
+                    )
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, (st, v)) in got.iter().enumerate() {
+        assert_eq!(*st, 200, "{v}");
+        assert_eq!(v["choices"][0]["text"], want[i].as_str(), "client {i}");
+    }
+    drop(s);
+
+    // Queue of one: a burst of long requests overflows it; every accepted one completes.
+    let s = start(&["--max-queue", "1"]);
+    let got: Vec<u16> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..24)
+            .map(|_| {
+                let s = &s;
+                sc.spawn(move || {
+                    post(
+                        s,
+                        "/v1/completions",
+                        &json!({"prompt": "go", "max_tokens": 480, "temperature": 0.7, "seed": 1}),
+                    )
+                    .0
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(got.contains(&429), "{got:?}");
+    assert!(got.iter().all(|&c| c == 200 || c == 429), "{got:?}");
+    assert!(got.contains(&200));
+}
+
+#[test]
+fn a_client_that_disconnects_frees_the_engine() {
+    let s = start(&["--max-queue", "1"]);
+    let body = json!({"prompt": "go", "max_tokens": 450, "temperature": 0.7, "seed": 3, "stream": true}).to_string();
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    write!(
+        c,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut first = [0u8; 64];
+    let _ = c.read(&mut first).unwrap();
+    drop(c);
+    // The next request runs (its place was freed), and nothing stays running afterwards.
+    let (st, v) = post(&s, "/v1/completions", &json!({"prompt": "next", "max_tokens": 4}));
+    assert_eq!(st, 200, "{v}");
+    let (_, m) = request(&s, "GET", "/metrics", "");
+    assert!(m.contains("sluice_requests_running 0"), "{m}");
+}
