@@ -186,6 +186,9 @@ struct Common {
     response_format: Option<Value>,
     /// sluice extension: experts per token for this request (at most the server's `--top-k`).
     expert_top_k: Option<i64>,
+    /// Extension (as in vLLM): keep generating past end-of-sequence tokens.
+    #[serde(default)]
+    ignore_eos: bool,
 }
 
 #[derive(Deserialize)]
@@ -293,6 +296,7 @@ impl Common {
             sampling,
             stop,
             expert_top_k: expert_top_k.or(Some(l.top_k)),
+            ignore_eos: self.ignore_eos,
             ..GenerateParams::default()
         })
     }

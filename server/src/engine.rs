@@ -99,6 +99,7 @@ fn run(p: Pipeline, rx: Receiver<Job>, waiting: Arc<AtomicUsize>, running: Arc<A
         m.queue_time.observe(job.arrived.elapsed().as_secs_f64());
         // A client that left while queued frees its place without costing a generation.
         if job.events.is_closed() {
+            m.cancelled.inc();
             continue;
         }
         running.store(1, Ordering::SeqCst);
@@ -116,6 +117,9 @@ fn run(p: Pipeline, rx: Receiver<Job>, waiting: Arc<AtomicUsize>, running: Arc<A
             Err(e) => Err(e),
         };
         running.store(0, Ordering::SeqCst);
+        if matches!(&result, Ok(s) if s.finish == sluice_runtime::FinishReason::Cancelled) {
+            m.cancelled.inc();
+        }
         let _ = events.send(match result {
             Ok(stats) => Event::Done(stats),
             Err(e) => Event::Failed(e),

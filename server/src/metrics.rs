@@ -28,6 +28,8 @@ pub struct Metrics {
     pub prompt_tokens: IntCounter,
     /// Tokens generated.
     pub gen_tokens: IntCounter,
+    /// Generations stopped because the client went away.
+    pub cancelled: IntCounter,
     queue_len: IntGauge,
     running: IntGauge,
     top_k: IntGauge,
@@ -115,6 +117,10 @@ impl Metrics {
             ),
             prompt_tokens: counter("sluice_prompt_tokens_total", "Prompt tokens processed"),
             gen_tokens: counter("sluice_generation_tokens_total", "Tokens generated"),
+            cancelled: counter(
+                "sluice_requests_cancelled_total",
+                "Generations stopped because the client left",
+            ),
             queue_len: gauge("sluice_queue_length", "Requests waiting for the engine"),
             running: gauge("sluice_requests_running", "Requests being generated"),
             top_k: gauge(
@@ -174,6 +180,7 @@ impl Metrics {
             Box::new(m.gen_tps.clone()),
             Box::new(m.prompt_tokens.clone()),
             Box::new(m.gen_tokens.clone()),
+            Box::new(m.cancelled.clone()),
             Box::new(m.queue_len.clone()),
             Box::new(m.running.clone()),
             Box::new(m.top_k.clone()),

@@ -1,5 +1,6 @@
 //! `sluice serve`: the OpenAI-compatible server.
 
+use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
@@ -77,7 +78,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         },
         shutdown_signal(),
     ))?;
-    eprintln!("sluice: shut down");
+    let _ = writeln!(std::io::stderr(), "sluice: shut down");
     Ok(())
 }
 
