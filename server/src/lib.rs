@@ -74,6 +74,12 @@ pub async fn serve(
         .map_err(|e| ServeError::Load(e.to_string()))?
         .map_err(ServeError::Load)?;
     let top_k = cfg.top_k.unwrap_or(pipeline.model.info.default_top_k);
+    let experts = pipeline.model.info.num_experts;
+    if experts > 0 && (top_k == 0 || top_k > experts) {
+        return Err(ServeError::Load(format!(
+            "--top-k {top_k} must be between 1 and the model's {experts} experts"
+        )));
+    }
     let context_length = pipeline.model.info.context_length;
     let metrics = Metrics::new(top_k, pipeline.model.expert_counters(), cfg.cache_bytes);
     let engine = EngineHandle::start(pipeline, cfg.max_queue, Arc::clone(&metrics));

@@ -64,7 +64,16 @@ pub fn run(a: ServeArgs) -> Result<()> {
         cache_bytes: opts.cache_bytes.unwrap_or(0),
     };
     let model = a.model.clone();
-    let load = move || Pipeline::load_with(&model, &opts).map_err(|e| format!("{}: {e}", model.display()));
+    let load = move || {
+        let t = std::time::Instant::now();
+        let p = Pipeline::load_with(&model, &opts).map_err(|e| format!("{}: {e}", model.display()))?;
+        let _ = writeln!(
+            std::io::stderr(),
+            "sluice: model loaded in {:.1} s; ready",
+            t.elapsed().as_secs_f64()
+        );
+        Ok(p)
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

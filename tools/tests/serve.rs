@@ -386,6 +386,24 @@ fn a_client_that_disconnects_frees_the_engine() {
 }
 
 #[test]
+fn bad_server_flags_fail_at_start() {
+    let dir = fixture("qwen3_moe-q4g64");
+    for (flags, want) in [
+        (&["--top-k", "99"][..], "--top-k 99"),
+        (&["--max-queue", "0"][..], "--max-queue"),
+    ] {
+        let mut args = vec!["serve", "-m", dir.to_str().unwrap(), "--port", "0"];
+        args.extend_from_slice(flags);
+        let out = Command::new(env!("CARGO_BIN_EXE_sluice")).args(&args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(want) && !err.contains("panicked"),
+            "{err}"
+        );
+    }
+}
+
+#[test]
 fn sigterm_shuts_down_cleanly() {
     let mut s = start(&[]);
     let (st, _) = post(&s, "/v1/completions", &json!({"prompt": "bye", "max_tokens": 2}));
