@@ -201,6 +201,7 @@ unsafe fn fused_q4_avx512(a: &RowArgs<'_>) -> f32 {
     let mut acc = _mm512_setzero_ps();
     for g in 0..a.xp.len() / a.group {
         let (mut p0, mut p1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        _mm_prefetch::<_MM_HINT_T0>(pp.add(g * a.group / 2 + PREFETCH_AHEAD) as *const i8);
         for off in (g * a.group..(g + 1) * a.group).step_by(32) {
             let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(pp.add(off / 2) as *const __m128i));
             let lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, mask));
@@ -219,6 +220,7 @@ unsafe fn fused_q8_avx512(a: &RowArgs<'_>) -> f32 {
     let mut acc = _mm512_setzero_ps();
     for g in 0..a.xp.len() / a.group {
         let (mut p0, mut p1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        _mm_prefetch::<_MM_HINT_T0>(pp.add(g * a.group + PREFETCH_AHEAD) as *const i8);
         for off in (g * a.group..(g + 1) * a.group).step_by(32) {
             let v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(pp.add(off) as *const __m128i));
             let v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(pp.add(off + 16) as *const __m128i));
@@ -244,6 +246,7 @@ unsafe fn fused_q4_avx2(a: &RowArgs<'_>) -> f32 {
     let mut acc = _mm256_setzero_ps();
     for g in 0..a.xp.len() / a.group {
         let mut p = [_mm256_setzero_ps(); 4];
+        _mm_prefetch::<_MM_HINT_T0>(pp.add(g * a.group / 2 + PREFETCH_AHEAD) as *const i8);
         for (i, off) in (g * a.group..(g + 1) * a.group).step_by(16).enumerate() {
             let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(pp.add(off / 2) as *const __m128i));
             let lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask));
@@ -264,6 +267,7 @@ unsafe fn fused_q8_avx2(a: &RowArgs<'_>) -> f32 {
     let mut acc = _mm256_setzero_ps();
     for g in 0..a.xp.len() / a.group {
         let mut p = [_mm256_setzero_ps(); 4];
+        _mm_prefetch::<_MM_HINT_T0>(pp.add(g * a.group + PREFETCH_AHEAD) as *const i8);
         for (i, off) in (g * a.group..(g + 1) * a.group).step_by(8).enumerate() {
             let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(pp.add(off) as *const __m128i));
             p[i & 3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_loadu_ps(xp.add(off)), p[i & 3]);
