@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::{Checkpoint, OwnedBytes, StoreCounters, StoreError};
+use crate::{Checkpoint, OwnedBytes, StoreCounters, StoreError, TensorInfo};
 
 /// The bytes of one expert: its parts in the order the layer's [`StackedExperts::tensors`] lists them.
 #[derive(Debug, Clone)]
@@ -108,6 +108,23 @@ pub struct StackedExperts {
     pub tensors: Vec<String>,
 }
 
+impl StackedExperts {
+    /// Component tensor `name` of this layer and the bytes one expert's slice of it takes; an error unless
+    /// its leading dimension is `num_experts` and its bytes split evenly.
+    pub fn part<'a>(&self, ckpt: &'a Checkpoint, name: &str) -> Result<(&'a TensorInfo, usize), StoreError> {
+        let t = ckpt.require(name)?;
+        let total = t.bytes().len();
+        let n = self.num_experts;
+        if n == 0 || t.shape.first() != Some(&n) || !total.is_multiple_of(n) {
+            return Err(StoreError::BadTensor {
+                name: name.to_string(),
+                message: format!("shape {:?} ({total} bytes) does not hold {n} stacked experts", t.shape),
+            });
+        }
+        Ok((t, total / n))
+    }
+}
+
 /// Views expert slices of stacked tensors straight from the mmap'd checkpoint (no copy, no packing).
 pub struct MmapExpertSource {
     /// Per layer: per component, the whole stacked tensor and one expert's stride in bytes.
@@ -123,25 +140,8 @@ impl MmapExpertSource {
         for l in layout {
             let mut comps = Vec::with_capacity(l.tensors.len());
             for name in &l.tensors {
-                let t = ckpt.require(name)?;
-                let bad = |message: String| StoreError::BadTensor {
-                    name: name.clone(),
-                    message,
-                };
-                if t.shape.first() != Some(&l.num_experts) {
-                    return Err(bad(format!(
-                        "expected {} stacked experts, shape is {:?}",
-                        l.num_experts, t.shape
-                    )));
-                }
-                let total = t.bytes().len();
-                if l.num_experts == 0 || total % l.num_experts != 0 {
-                    return Err(bad(format!(
-                        "{total} bytes do not split into {} experts",
-                        l.num_experts
-                    )));
-                }
-                comps.push((t.bytes().clone(), total / l.num_experts));
+                let (t, stride) = l.part(ckpt, name)?;
+                comps.push((t.bytes().clone(), stride));
             }
             layers.insert(l.layer, comps);
             num_experts.insert(l.layer, l.num_experts);

@@ -12,7 +12,7 @@ use crate::{Checkpoint, StackedExperts, StoreError};
 pub const DIRECT_ALIGN: u64 = 4096;
 
 /// Alignment of each part inside a slot when reads are buffered (enough for any SIMD load).
-const PART_ALIGN: usize = 64;
+pub(crate) const PART_ALIGN: usize = 64;
 
 /// A file that can be read at an offset from several threads (the seam for fault injection in tests).
 pub trait ReadAt: Send + Sync {
@@ -160,15 +160,7 @@ impl RecordTable {
         for s in stacks {
             let mut comps = Vec::new();
             for name in &s.tensors {
-                let t = ckpt.require(name)?;
-                let total = t.bytes().len();
-                if s.num_experts == 0 || t.shape.first() != Some(&s.num_experts) || !total.is_multiple_of(s.num_experts)
-                {
-                    return Err(StoreError::BadTensor {
-                        name: name.clone(),
-                        message: format!("shape {:?} does not hold {} stacked experts", t.shape, s.num_experts),
-                    });
-                }
+                let (t, stride) = s.part(ckpt, name)?;
                 let id = match file_ids.get(&t.file) {
                     Some(&id) => id,
                     None => {
@@ -177,7 +169,7 @@ impl RecordTable {
                         files.len() - 1
                     }
                 };
-                comps.push((id, t.offset, total / s.num_experts));
+                comps.push((id, t.offset, stride));
             }
             let records = (0..s.num_experts)
                 .map(|e| {

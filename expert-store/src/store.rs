@@ -22,8 +22,8 @@ pub const DATA_FILE: &str = "experts.bin";
 const FORMAT: &str = "sluice-expert-store";
 /// Manifest version this build writes and reads.
 pub const STORE_VERSION: u32 = 1;
-/// Alignment of each part inside a record.
-const PART_ALIGN: u64 = 64;
+/// Alignment of each part inside a record (the same as in an in-place slot).
+const PART_ALIGN: u64 = crate::layout::PART_ALIGN as u64;
 
 /// The manifest of a packed store.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -299,16 +299,9 @@ fn expected_parts(ckpt: &Checkpoint, s: &StackedExperts) -> Result<Vec<PartManif
     let mut offset = 0u64;
     let mut parts = Vec::new();
     for name in &s.tensors {
-        let t = ckpt.require(name)?;
-        let total = t.bytes().len();
-        if s.num_experts == 0 || t.shape.first() != Some(&s.num_experts) || !total.is_multiple_of(s.num_experts) {
-            return Err(StoreError::BadTensor {
-                name: name.clone(),
-                message: format!("shape {:?} does not hold {} stacked experts", t.shape, s.num_experts),
-            });
-        }
+        let (t, stride) = s.part(ckpt, name)?;
         offset = offset.div_ceil(PART_ALIGN) * PART_ALIGN;
-        let len = (total / s.num_experts) as u64;
+        let len = stride as u64;
         parts.push(PartManifest {
             tensor: name.clone(),
             dtype: format!("{:?}", t.dtype),
