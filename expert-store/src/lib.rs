@@ -21,7 +21,7 @@ mod layout;
 mod mmap;
 mod store;
 
-pub use aligned::SLOT_ALIGN;
+pub use aligned::{SlotBuf, SLOT_ALIGN};
 pub use bytes::OwnedBytes;
 pub use checkpoint::{Checkpoint, Dtype, TensorInfo};
 pub use counters::{CounterSnapshot, Histogram, HistogramSnapshot, StoreCounters, LATENCY_BOUNDS};

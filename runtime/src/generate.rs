@@ -8,7 +8,7 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::experts::{ExpertOptions, ModelLocation};
 use crate::layers::{DecoderModel, ForwardOptions};
-use crate::models::load_model_with;
+use crate::models::load_located;
 use crate::sampling::{Sampler, SamplingParams};
 use crate::text::{ChatMessage, StopMatcher, StreamDecoder, TextCodec};
 
@@ -106,7 +106,7 @@ impl Pipeline {
         let loc = ModelLocation::resolve(path)?;
         let config = ModelConfig::load(loc.model_dir())?;
         let codec = TextCodec::load(loc.model_dir(), &config.eos_token_ids())?;
-        let model = load_model_with(path, config, opts)?;
+        let model = load_located(&loc, config, opts)?;
         Ok(Self { model, codec })
     }
 

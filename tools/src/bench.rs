@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use expert_store::{CounterSnapshot, PosixFile, ReadAt, RecordTable, DIRECT_ALIGN, SLOT_ALIGN};
+use expert_store::{CounterSnapshot, PosixFile, ReadAt, RecordTable, SlotBuf, DIRECT_ALIGN};
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use sluice_runtime::{DecoderModel, ForwardOptions, Pipeline};
@@ -295,7 +295,11 @@ fn disk_probe(path: &Path, record: u64, depth: usize, time: Duration) -> Result<
         for i in 0..depth {
             let (f, bytes) = (&f, &bytes);
             s.spawn(move || {
-                let mut buf = expert_store_slot(size as usize);
+                // An engine slot: page-aligned, as O_DIRECT needs.
+                let Some(mut slot) = SlotBuf::allocate(1, size as usize) else {
+                    return;
+                };
+                let buf = slot[0].as_mut_slice();
                 let mut rng = rand::rngs::StdRng::seed_from_u64(0x5eed + i as u64);
                 while Instant::now() < deadline {
                     let off = rng.gen_range(0..=slots) * DIRECT_ALIGN;
@@ -308,39 +312,6 @@ fn disk_probe(path: &Path, record: u64, depth: usize, time: Duration) -> Result<
         }
     });
     Ok(bytes.load(Ordering::Relaxed) as f64 / t0.elapsed().as_secs_f64() / 1e9)
-}
-
-/// A page-aligned buffer (O_DIRECT needs one) carved out of a plain allocation.
-fn expert_store_slot(len: usize) -> AlignedVec {
-    AlignedVec::new(len)
-}
-
-/// A heap buffer with a [`SLOT_ALIGN`]-aligned window of `len` bytes.
-struct AlignedVec {
-    buf: Vec<u8>,
-    start: usize,
-    len: usize,
-}
-
-impl AlignedVec {
-    fn new(len: usize) -> Self {
-        let buf = vec![0u8; len + SLOT_ALIGN];
-        let start = buf.as_ptr().align_offset(SLOT_ALIGN);
-        Self { buf, start, len }
-    }
-}
-
-impl std::ops::Deref for AlignedVec {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        &self.buf[self.start..self.start + self.len]
-    }
-}
-
-impl std::ops::DerefMut for AlignedVec {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        &mut self.buf[self.start..self.start + self.len]
-    }
 }
 
 fn largest_safetensors(dir: &Path) -> Result<PathBuf> {

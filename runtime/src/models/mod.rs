@@ -29,12 +29,16 @@ pub fn supported_model_types() -> Vec<&'static str> {
 pub fn load_model(path: &Path) -> Result<DecoderModel> {
     let loc = ModelLocation::resolve(path)?;
     let config = ModelConfig::load(loc.model_dir())?;
-    load_model_with(path, config, &ExpertOptions::default())
+    load_located(&loc, config, &ExpertOptions::default())
 }
 
 /// Loads the model at `path` (an MLX model directory or a packed store) with `config.json` already parsed.
 pub fn load_model_with(path: &Path, config: ModelConfig, opts: &ExpertOptions) -> Result<DecoderModel> {
-    let loc = ModelLocation::resolve(path)?;
+    load_located(&ModelLocation::resolve(path)?, config, opts)
+}
+
+/// [`load_model_with`] for an already resolved location (the store's manifest is read once).
+pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &ExpertOptions) -> Result<DecoderModel> {
     let dir = loc.model_dir();
     let loader = REGISTRY
         .iter()
@@ -43,7 +47,7 @@ pub fn load_model_with(path: &Path, config: ModelConfig, opts: &ExpertOptions) -
         .ok_or_else(|| ModelError::UnknownModelType(config.model_type.clone(), supported_model_types().join(", ")))?;
     let mut weights = Weights::open(dir, config)?;
     weights.expert_opts = opts.clone();
-    if let ModelLocation::Store(store, _) = &loc {
+    if let ModelLocation::Store(store, _) = loc {
         weights.store = Some(Arc::clone(store));
     }
     if weights.checkpoint().names().any(|n| n.contains(".experts.0.")) {
