@@ -5,26 +5,9 @@
 //! reuses each unpacked row across tokens, so its figure is GFLOP/s.
 
 use std::hint::black_box;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use rayon::prelude::*;
 use sluice_runtime::cpu::{FloatType, Isa, MatRef, QuantMatrix};
-
-/// Multi-threaded sequential read bandwidth over a buffer much larger than the caches, in GB/s.
-fn dram_read_gbps(bytes: usize, reps: usize) -> f64 {
-    let buf: Vec<u64> = (0..bytes / 8).map(|i| i as u64).collect();
-    let mut best = f64::MAX;
-    for _ in 0..reps {
-        let t = Instant::now();
-        let s: u64 = buf
-            .par_chunks(1 << 16)
-            .map(|c| c.iter().fold(0u64, |a, &b| a.wrapping_add(b)))
-            .sum();
-        black_box(s);
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    bytes as f64 / best / 1e9
-}
 
 struct Expert {
     packed: Vec<u8>,
@@ -66,7 +49,7 @@ fn main() {
     }
     let mat = |e| view(e, bits, group, rows, cols);
     let bytes_per = experts[0].packed.len() + experts[0].scales.len() * 2;
-    let dram = dram_read_gbps(512 << 20, if quick { 3 } else { 8 });
+    let dram = sluice_runtime::cpu::dram_read_gbps(512 << 20, Duration::from_millis(if quick { 300 } else { 1000 }));
     println!(
         "threads: {}   DRAM read probe: {dram:.1} GB/s   kernels: {}",
         rayon::current_num_threads(),

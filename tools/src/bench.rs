@@ -165,7 +165,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     } else {
         Some(disk_probe(&a.model, record_bytes, opts.io_depth, probe)?)
     };
-    let dram_probe_gb_s = (!probe.is_zero()).then(|| dram_probe(probe));
+    let dram_probe_gb_s = (!probe.is_zero()).then(|| sluice_runtime::cpu::dram_read_gbps(512 << 20, probe));
     let slots = p.model.expert_slots();
     let report = Report {
         model: a.model.display().to_string(),
@@ -327,25 +327,6 @@ fn largest_safetensors(dir: &Path) -> Result<PathBuf> {
     }
     best.map(|(_, p)| p)
         .with_context(|| format!("no safetensors in {}", dir.display()))
-}
-
-/// Read bandwidth of DRAM: sums a buffer much larger than the caches on every compute thread; GB/s.
-fn dram_probe(time: Duration) -> f64 {
-    use rayon::prelude::*;
-    let words = 64 << 20; // 512 MiB of u64
-    let buf: Vec<u64> = (0..words as u64).collect();
-    let deadline = Instant::now() + time;
-    let mut best = 0f64;
-    while Instant::now() < deadline {
-        let t = Instant::now();
-        let s: u64 = buf
-            .par_chunks(1 << 16)
-            .map(|c| c.iter().fold(0u64, |a, &x| a.wrapping_add(x)))
-            .sum();
-        std::hint::black_box(s);
-        best = best.max((words * 8) as f64 / t.elapsed().as_secs_f64() / 1e9);
-    }
-    best
 }
 
 fn print_table(r: &Report) {

@@ -222,6 +222,27 @@ pub fn pack_codes(bits: u32, codes: &[u32]) -> Vec<u8> {
     out
 }
 
+/// This machine's multi-threaded sequential DRAM read bandwidth in GB/s: sums a `bytes`-long buffer (much
+/// larger than the caches) on every rayon thread, repeatedly for about `time` (at least once), best pass.
+pub fn dram_read_gbps(bytes: usize, time: std::time::Duration) -> f64 {
+    let words = (bytes / 8).max(1);
+    let buf: Vec<u64> = (0..words as u64).collect();
+    let deadline = std::time::Instant::now() + time;
+    let mut best = 0f64;
+    loop {
+        let t = std::time::Instant::now();
+        let s: u64 = buf
+            .par_chunks(1 << 16)
+            .map(|c| c.iter().fold(0u64, |a, &x| a.wrapping_add(x)))
+            .sum();
+        std::hint::black_box(s);
+        best = best.max((words * 8) as f64 / t.elapsed().as_secs_f64() / 1e9);
+        if std::time::Instant::now() >= deadline {
+            return best;
+        }
+    }
+}
+
 /// Work below this many weight elements runs on the calling thread (rayon's overhead would dominate).
 const PAR_MIN_ELEMS: usize = 1 << 15;
 
