@@ -1,17 +1,17 @@
 //! `sluice serve` over real HTTP on a random port with a fixture model.
 
+mod common;
+
+use common::fixture;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use sluice_runtime::{ChatMessage, GenerateParams, Pipeline, Prompt, SamplingParams};
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures").join(name)
-}
 
 /// A running server, killed on drop.
 struct Server {

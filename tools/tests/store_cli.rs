@@ -1,25 +1,10 @@
 //! `sluice convert`, `inspect`, `bench` and the engine flags of `generate`, through the binary.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures").join(name)
-}
+use common::{fixture, ok, sluice};
 
-fn sluice(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_sluice")).args(args).output().unwrap()
-}
-
-fn ok(args: &[&str]) -> (String, String) {
-    let out = sluice(args);
-    let (o, e) = (
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    );
-    assert!(out.status.success(), "{args:?} failed: {e}");
-    (o, e)
-}
+use std::path::Path;
 
 fn fails(args: &[&str]) -> String {
     let out = sluice(args);

@@ -1,21 +1,12 @@
 //! `sluice synth`: random models of real shapes that load, generate, and come out the size asked for.
 
+mod common;
+
+use common::{ok, sluice};
+
 use std::path::Path;
-use std::process::{Command, Output};
 
 use serde_json::Value;
-
-fn sluice(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_sluice")).args(args).output().unwrap()
-}
-
-/// Runs `args`, asserting success; returns stdout and stderr.
-fn ok(args: &[&str]) -> (String, String) {
-    let out = sluice(args);
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(out.status.success(), "{args:?}: {err}");
-    (String::from_utf8_lossy(&out.stdout).into_owned(), err)
-}
 
 /// The number in "generated: N tokens" of a generate summary line.
 fn generated(stderr: &str) -> usize {

@@ -1,0 +1,26 @@
+//! Helpers shared by the `sluice` binary's integration tests.
+#![allow(dead_code)] // each test binary uses a subset
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// A committed fixture model directory.
+pub fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures").join(name)
+}
+
+/// Runs the binary with `args`.
+pub fn sluice(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_sluice")).args(args).output().unwrap()
+}
+
+/// Runs `args`, asserting success; returns stdout and stderr.
+pub fn ok(args: &[&str]) -> (String, String) {
+    let out = sluice(args);
+    let (o, e) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    assert!(out.status.success(), "{args:?} failed: {e}");
+    (o, e)
+}
