@@ -14,7 +14,7 @@ Derived fixtures exercise loader paths `mlx_lm.convert` does not write: `-overri
 null-group override (mlx-lm computes its goldens); `-overrides-vlm-sharded` nests it VLM-style with `language_model.`
 prefixes, two shards and `rope_parameters`, and reuses those goldens (same weights).
 
-Usage: python scripts/make_fixtures.py [OUT_DIR]   (default: fixtures/)
+Usage: python scripts/make_fixtures.py [OUT_DIR] [--only=arch,arch]   (default: fixtures/, every architecture)
 """
 
 import copy
@@ -147,7 +147,92 @@ def base_configs():
         "eos_token_id": 2,
         "torch_dtype": "bfloat16",
     }
-    return {"qwen3_moe": qwen, "qwen3_moe_tied": qwen_tied, "mixtral": mixtral}
+    # Qwen3.5-MoE, VLM-style (`text_config`, `language_model.` weights) as the hub ships it: 3 Gated DeltaNet
+    # layers then one gated full-attention layer, partial rotary, shared expert with its sigmoid gate.
+    qwen35_text = {
+        "model_type": "qwen3_5_moe_text",
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 4,
+        "num_experts": 8,
+        "num_experts_per_tok": 3,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 64,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+        "eos_token_id": 2,
+    }
+    qwen35 = {
+        "model_type": "qwen3_5_moe",
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "text_config": qwen35_text,
+        "vision_config": {"depth": 1, "hidden_size": 32},
+        "tie_word_embeddings": False,
+        "bos_token_id": None,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    }
+    # Qwen3-Next: flat config, grouped qkvz/ba projections, a dense layer (mlp_only_layers), 8 layers so two
+    # full-attention layers see each other's residual stream.
+    qwen3_next = {
+        "model_type": "qwen3_next",
+        "architectures": ["Qwen3NextForCausalLM"],
+        "hidden_size": 128,
+        "num_hidden_layers": 8,
+        "intermediate_size": 192,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 4,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [2],
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 128,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB,
+        "rope_theta": 5000000.0,
+        "partial_rotary_factor": 0.25,
+        "max_position_embeddings": 1024,
+        "norm_topk_prob": True,
+        "tie_word_embeddings": False,
+        "bos_token_id": None,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    }
+    return {
+        "qwen3_moe": qwen,
+        "qwen3_moe_tied": qwen_tied,
+        "mixtral": mixtral,
+        "qwen3_5_moe": qwen35,
+        "qwen3_next": qwen3_next,
+    }
+
+
+HYBRID = {"qwen3_5_moe", "qwen3_next"}
 
 
 # (suffix, convert kwargs). Every quantized fixture of every architecture; bf16 is unquantized.
@@ -167,6 +252,8 @@ PLAN = {
     "qwen3_moe": ["q4g64", "q8g32", "q3g32", "q6g64", "q2g128", "q5g64", "mixed36", "bf16"],
     "qwen3_moe_tied": ["q4g64", "q8g32"],
     "mixtral": ["q4g64", "q8g32", "q6g64", "mixed36", "bf16"],
+    "qwen3_5_moe": ["q4g64", "q8g32", "q3g32", "bf16"],
+    "qwen3_next": ["q4g64", "q8g32", "bf16"],
 }
 
 
@@ -177,13 +264,116 @@ def build_random_model(cfg: dict, out: Path, seed: int):
     # Larger-than-default init so that routing and logits are far from ties.
     params = tree_map(lambda p: (p * 2.0).astype(mx.bfloat16), model.parameters())
     model.update(params)
+    flat = dict(tree_flatten(model.parameters()))
+    if cfg["model_type"] in HYBRID:
+        flat = hybrid_realistic(flat)
     out.mkdir(parents=True)
-    mx.save_safetensors(
-        str(out / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"}
-    )
+    mx.save_safetensors(str(out / "model.safetensors"), flat, metadata={"format": "mlx"})
     with open(out / "config.json", "w") as f:
         json.dump(cfg, f, indent=2)
     make_tokenizer(out)
+
+
+NORM_SUFFIXES = (
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    "model.norm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+)
+
+
+def hybrid_realistic(flat: dict) -> dict:
+    """Gated DeltaNet parameters in a realistic range, so the recurrent state carries over many tokens
+    (the default init decays it to ~0 every step, which would hide state bugs), and (1+w) norms that are
+    not all equal (so a missing or doubled +1 shows). Norm values lie in [1, 2) so `w - 1` is exact in bf16
+    and the Hugging Face variant below round-trips bit for bit."""
+    out = {}
+    for k, v in flat.items():
+        if k.endswith("A_log"):
+            v = mx.log(mx.random.uniform(0.3, 3.0, v.shape)).astype(mx.float32)
+        elif k.endswith("dt_bias"):
+            v = mx.random.uniform(-3.0, -0.5, v.shape).astype(mx.bfloat16)
+        elif k.endswith(NORM_SUFFIXES) or k.endswith("linear_attn.norm.weight"):
+            v = mx.random.uniform(1.0, 1.98, v.shape).astype(mx.bfloat16)
+        out[k] = v
+    return out
+
+
+def derive_hf_qwen35(raw: Path, dst: Path):
+    """The Hugging Face layout of a Qwen3.5-MoE checkpoint, from the raw (unquantized, MLX-named) model:
+    `model.language_model.` prefixes, fused `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` without a
+    `.weight` suffix, zero-centred norms (stored w - 1), PyTorch conv1d layout [C, 1, K], plus vision and MTP
+    tensors the loader must ignore, and a transformers-5 style config (`layer_types`, `rope_parameters`).
+    mlx-lm's own sanitize loads it, so its goldens are mlx-lm's."""
+    shutil.copytree(raw, dst)
+    weights = mx.load(str(dst / "model.safetensors"))
+    os.remove(dst / "model.safetensors")
+    hf = {}
+    for k, v in weights.items():
+        if k.endswith(NORM_SUFFIXES):
+            v = (v.astype(mx.float32) - 1.0).astype(mx.bfloat16)
+        if k.endswith("conv1d.weight"):
+            v = v.moveaxis(2, 1)
+        if k.startswith("language_model.model."):
+            k = "model.language_model." + k[len("language_model.model.") :]
+        elif k.startswith("language_model."):
+            k = k[len("language_model.") :]
+        hf[k] = v
+    for k in [k for k in hf if k.endswith("switch_mlp.gate_proj.weight")]:
+        pre = k[: -len("switch_mlp.gate_proj.weight")]
+        gate, up = hf.pop(k), hf.pop(pre + "switch_mlp.up_proj.weight")
+        hf[pre + "experts.gate_up_proj"] = mx.concatenate([gate, up], axis=-2)
+        hf[pre + "experts.down_proj"] = hf.pop(pre + "switch_mlp.down_proj.weight")
+    hf["model.visual.patch_embed.proj.weight"] = mx.random.normal((32, 3, 2, 2)).astype(mx.bfloat16)
+    hf["mtp.fc.weight"] = mx.random.normal((128, 256)).astype(mx.bfloat16)
+    mx.save_safetensors(str(dst / "model.safetensors"), hf, metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    t = cfg["text_config"]
+    interval = t.pop("full_attention_interval")
+    t["layer_types"] = [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(t["num_hidden_layers"])
+    ]
+    t["mamba_ssm_dtype"] = "float32"
+    t["mtp_num_hidden_layers"] = 1
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def long_text(n_tokens: int, tok) -> list:
+    ids = []
+    i = 0
+    while len(ids) < n_tokens:
+        ids += tok.encode(CORPUS[i % len(CORPUS)] + " ")
+        i += 1
+    return ids[:n_tokens]
+
+
+def hybrid_extras(model, tok):
+    """Prompts of 1, 3 and 200 tokens (longer than any prefill chunk): logits at first/middle/last position of
+    one uncached forward, and 8 greedy tokens decoded with mlx-lm's cache after a cached prefill."""
+    base = tok.encode(PROMPT)
+    cases = []
+    for ids in ([base[0]], base[:3], long_text(200, tok)):
+        x = mx.array([ids])
+        logits = model(x).astype(mx.float32)
+        mx.eval(logits)
+        positions = sorted({0, len(ids) // 2, len(ids) - 1})
+        cache = make_prompt_cache(model)
+        step = model(x, cache=cache)
+        greedy = []
+        for _ in range(8):
+            nxt = int(mx.argmax(step[0, -1]).item())
+            greedy.append(nxt)
+            step = model(mx.array([[nxt]]), cache=cache)
+        cases.append(
+            {
+                "ids": ids,
+                "logit_positions": positions,
+                "logits": [logits[0, p].tolist() for p in positions],
+                "greedy": greedy,
+            }
+        )
+    return cases
 
 
 def to_f32(model):
@@ -218,7 +408,7 @@ def goldens(model_dir: Path):
         tmp = Path(td) / "m"
         shutil.copytree(model_dir, tmp)
         cfg = json.loads((tmp / "config.json").read_text())
-        cfg["num_experts_per_tok"] = 1
+        cfg.get("text_config", cfg)["num_experts_per_tok"] = 1
         (tmp / "config.json").write_text(json.dumps(cfg))
         m1, _ = load(str(tmp))
         to_f32(m1)
@@ -227,7 +417,9 @@ def goldens(model_dir: Path):
 
     t = len(ids)
     positions = sorted({0, t // 2, t - 1})
+    extras = hybrid_extras(model, tok) if getattr(model, "model_type", "") in HYBRID else []
     return {
+        "extra_prompts": extras,
         "prompt": PROMPT,
         "prompt_ids": ids,
         "chat": CHAT,
@@ -310,10 +502,15 @@ def derive_vlm_sharded(src: Path, dst: Path):
     )
 
 def main():
-    out_root = Path(sys.argv[1] if len(sys.argv) > 1 else "fixtures")
+    args = [a for a in sys.argv[1:] if not a.startswith("--only=")]
+    only = [a.split("=", 1)[1].split(",") for a in sys.argv[1:] if a.startswith("--only=")]
+    only = only[0] if only else None
+    out_root = Path(args[0] if args else "fixtures")
     out_root.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as td:
         for seed, (arch, cfg) in enumerate(base_configs().items()):
+            if only and arch not in only:
+                continue
             raw = Path(td) / arch
             build_random_model(cfg, raw, seed + 1)
             for suffix in PLAN[arch]:
@@ -326,6 +523,15 @@ def main():
                 g = goldens(dst)
                 (dst / "golden.json").write_text(json.dumps(g))
                 print(f"{dst}: prompt {len(g['prompt_ids'])} tokens, greedy {g['greedy'][:8]}...")
+            if arch == "qwen3_5_moe":
+                dst = out_root / "qwen3_5_moe-hf-bf16"
+                if dst.exists():
+                    shutil.rmtree(dst)
+                derive_hf_qwen35(raw, dst)
+                (dst / "golden.json").write_text(json.dumps(goldens(dst)))
+                print(f"{dst}: Hugging Face layout of the same weights")
+    if only and "qwen3_moe" not in only:
+        return
     flat = out_root / "qwen3_moe-q4g64-overrides"
     vlm = out_root / "qwen3_moe-q4g64-overrides-vlm-sharded"
     for d in (flat, vlm):

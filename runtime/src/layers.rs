@@ -2,6 +2,7 @@
 //! FFNs, the decoder layer and the embedding → layers → head stack.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use rayon::prelude::*;
 
@@ -9,17 +10,38 @@ use expert_store::ExpertSource;
 
 use crate::cpu::{Isa, MatRef};
 use crate::error::{ModelError, Result};
-use crate::linear::{Linear, WeightFormat};
+use crate::gated_delta::GatedDeltaNet;
+use crate::linear::Linear;
 use crate::ops::{self, AttnShape, KvCache, LayerKv, Rope};
-use crate::weights::Weights;
+use crate::profile::{Part, StepProfile};
+use crate::weights::{ExpertLayout, Weights};
 
-/// Grouped-query self-attention with optional per-head q/k RMSNorm (before RoPE).
+/// How an attention block is built (from config.json).
+#[derive(Debug, Clone)]
+pub struct AttnSpec {
+    /// Head counts and width.
+    pub shape: AttnShape,
+    /// Rotary embedding (possibly partial: it rotates its own `dims` of each head).
+    pub rope: Rope,
+    /// RMSNorm epsilon.
+    pub eps: f32,
+    /// Per-head q/k RMSNorm before RoPE.
+    pub qk_norm: bool,
+    /// Qwen3-Next gating: `q_proj` yields `[heads, 2·head_dim]` (query, gate) and the output is multiplied
+    /// by `sigmoid(gate)` before `o_proj`.
+    pub output_gate: bool,
+    /// Added to stored norm weights (1 for checkpoints that store zero-centred `(1 + w)` norms).
+    pub norm_offset: f32,
+}
+
+/// Grouped-query self-attention with optional per-head q/k RMSNorm (before RoPE) and output gate.
 pub struct Attention {
     q: Linear,
     k: Linear,
     v: Linear,
     o: Linear,
     qk_norm: Option<(Vec<f32>, Vec<f32>)>,
+    output_gate: bool,
     shape: AttnShape,
     rope: Rope,
     eps: f32,
@@ -27,53 +49,83 @@ pub struct Attention {
 
 impl Attention {
     /// Loads `{prefix}.{q,k,v,o}_proj` (and `{q,k}_norm` when `qk_norm`).
-    pub fn load(
-        w: &Weights,
-        prefix: &str,
-        hidden: usize,
-        shape: AttnShape,
-        rope: Rope,
-        eps: f32,
-        qk_norm: bool,
-    ) -> Result<Self> {
-        let (h, kv, d) = (shape.heads, shape.kv_heads, shape.head_dim);
-        let qk_norm = if qk_norm {
-            Some((
-                w.vector(&format!("{prefix}.q_norm.weight"), d)?,
-                w.vector(&format!("{prefix}.k_norm.weight"), d)?,
-            ))
+    pub fn load(w: &Weights, prefix: &str, hidden: usize, spec: &AttnSpec) -> Result<Self> {
+        let (h, kv, d) = (spec.shape.heads, spec.shape.kv_heads, spec.shape.head_dim);
+        let norm = |n: &str| -> Result<Vec<f32>> {
+            let mut v = w.vector(&format!("{prefix}.{n}.weight"), d)?;
+            v.iter_mut().for_each(|x| *x += spec.norm_offset);
+            Ok(v)
+        };
+        let qk_norm = if spec.qk_norm {
+            Some((norm("q_norm")?, norm("k_norm")?))
         } else {
             None
         };
+        let q_rows = if spec.output_gate { 2 * h * d } else { h * d };
         Ok(Self {
-            q: w.linear(&format!("{prefix}.q_proj"), h * d, hidden)?,
+            q: w.linear(&format!("{prefix}.q_proj"), q_rows, hidden)?,
             k: w.linear(&format!("{prefix}.k_proj"), kv * d, hidden)?,
             v: w.linear(&format!("{prefix}.v_proj"), kv * d, hidden)?,
             o: w.linear(&format!("{prefix}.o_proj"), hidden, h * d)?,
             qk_norm,
-            shape,
-            rope,
-            eps,
+            output_gate: spec.output_gate,
+            shape: spec.shape,
+            rope: spec.rope.clone(),
+            eps: spec.eps,
         })
     }
 
     fn forward(&self, isa: Isa, x: &[f32], n: usize, cache: &mut LayerKv) -> Vec<f32> {
+        let (heads, hd) = (self.shape.heads, self.shape.head_dim);
         let mut q = self.q.forward(isa, x, n);
+        // Gated: each head's projection is [query | gate]; split per head, not down the middle.
+        let gate = self.output_gate.then(|| {
+            let mut gate = vec![0f32; n * heads * hd];
+            let mut query = vec![0f32; n * heads * hd];
+            for (i, pair) in q.chunks(2 * hd).enumerate() {
+                query[i * hd..(i + 1) * hd].copy_from_slice(&pair[..hd]);
+                gate[i * hd..(i + 1) * hd].copy_from_slice(&pair[hd..]);
+            }
+            q = query;
+            gate
+        });
         let mut k = self.k.forward(isa, x, n);
         let v = self.v.forward(isa, x, n);
         if let Some((qn, kn)) = &self.qk_norm {
             ops::rms_norm(&mut q, qn, self.eps);
             ops::rms_norm(&mut k, kn, self.eps);
         }
-        let (hd, pos0) = (self.shape.head_dim, cache_len(cache, &self.shape));
+        let pos0 = cache_len(cache, &self.shape);
         for t in 0..n {
-            let qw = self.shape.heads * hd;
+            let qw = heads * hd;
             let kw = self.shape.kv_heads * hd;
             self.rope.apply(&mut q[t * qw..(t + 1) * qw], hd, pos0 + t);
             self.rope.apply(&mut k[t * kw..(t + 1) * kw], hd, pos0 + t);
         }
-        let a = ops::attention(isa, self.shape, &q, &k, &v, n, cache);
+        let mut a = ops::attention(isa, self.shape, &q, &k, &v, n, cache);
+        if let Some(gate) = gate {
+            a.iter_mut()
+                .zip(&gate)
+                .for_each(|(a, g)| *a *= 1.0 / (1.0 + (-g).exp()));
+        }
         self.o.forward(isa, &a, n)
+    }
+}
+
+/// The token mixer of a decoder layer.
+pub enum Mixer {
+    /// Softmax self-attention over a KV cache.
+    Attention(Attention),
+    /// Gated DeltaNet linear attention over a recurrent state.
+    Linear(GatedDeltaNet),
+}
+
+impl Mixer {
+    fn forward(&self, isa: Isa, x: &[f32], n: usize, cache: &mut LayerKv) -> Vec<f32> {
+        match self {
+            Mixer::Attention(a) => a.forward(isa, x, n, cache),
+            Mixer::Linear(l) => l.forward(isa, x, n, cache),
+        }
     }
 }
 
@@ -170,21 +222,41 @@ pub struct SparseMoe {
     pub hidden: usize,
     /// Expert intermediate size.
     pub inter: usize,
-    /// Storage of the gate, up and down projections.
-    pub formats: [WeightFormat; 3],
+    /// How a record's parts form the gate, up and down projections.
+    pub layout: ExpertLayout,
     /// Where expert records come from.
     pub experts: Arc<dyn ExpertSource>,
+    /// An always-on expert added to the routed sum (Qwen3-Next, Qwen3.5), resident in RAM.
+    pub shared: Option<Box<SharedExpert>>,
+}
+
+/// A dense SwiGLU expert every token uses, optionally scaled by `sigmoid(gate · x)` (a scalar per token).
+pub struct SharedExpert {
+    /// The expert.
+    pub mlp: Mlp,
+    /// `[1, hidden]` gate.
+    pub gate: Option<Linear>,
+}
+
+impl SharedExpert {
+    fn forward(&self, isa: Isa, x: &[f32], n: usize) -> Vec<f32> {
+        let mut y = self.mlp.forward(isa, x, n);
+        if let Some(gate) = &self.gate {
+            let g = gate.forward(isa, x, n);
+            let h = y.len() / n.max(1);
+            for (row, g) in y.chunks_mut(h).zip(g) {
+                let s = 1.0 / (1.0 + (-g).exp());
+                row.iter_mut().for_each(|v| *v *= s);
+            }
+        }
+        y
+    }
 }
 
 impl SparseMoe {
     /// Gate, up and down views of one expert record's parts.
     fn expert_views<'a>(&self, parts: &[&'a [u8]]) -> [MatRef<'a>; 3] {
-        let (pg, pu) = (self.formats[0].parts(), self.formats[1].parts());
-        [
-            self.formats[0].view(self.inter, self.hidden, &parts[..pg]),
-            self.formats[1].view(self.inter, self.hidden, &parts[pg..pg + pu]),
-            self.formats[2].view(self.hidden, self.inter, &parts[pg + pu..]),
-        ]
+        self.layout.views(self.inter, self.hidden, parts)
     }
 
     /// Routes each of the `n` tokens of `x` to `k` experts and sums their weighted outputs.
@@ -203,8 +275,10 @@ impl SparseMoe {
         n: usize,
         k: usize,
         prefetch: Option<(usize, &[usize])>,
+        profile: &StepProfile,
     ) -> Result<(Vec<f32>, Vec<usize>)> {
         let (h, k) = (self.hidden, k.min(self.num_experts));
+        let routed_start = std::time::Instant::now();
         let logits = self.router.forward(isa, x, n);
         let routes: Vec<(Vec<usize>, Vec<f32>)> =
             logits.chunks(self.num_experts).map(|l| self.kind.route(l, k)).collect();
@@ -261,6 +335,13 @@ impl SparseMoe {
                 }
             }
         }
+        profile.add(Part::RoutedExperts, routed_start.elapsed());
+        if let Some(shared) = &self.shared {
+            let start = std::time::Instant::now();
+            let y = shared.forward(isa, x, n);
+            out.iter_mut().zip(&y).for_each(|(o, y)| *o += y);
+            profile.add(Part::SharedExpert, start.elapsed());
+        }
         let last = routes.last().map(|(ids, _)| ids.clone()).unwrap_or_default();
         Ok((out, last))
     }
@@ -314,12 +395,12 @@ pub enum Ffn {
     Moe(SparseMoe),
 }
 
-/// Pre-norm decoder layer: `h = x + attn(norm(x)); out = h + ffn(norm(h))`.
+/// Pre-norm decoder layer: `h = x + mixer(norm(x)); out = h + ffn(norm(h))`.
 pub struct DecoderLayer {
-    /// RMSNorm before attention.
+    /// RMSNorm before the mixer.
     pub input_norm: Vec<f32>,
-    /// Self-attention.
-    pub attn: Attention,
+    /// Self-attention or linear attention.
+    pub mixer: Mixer,
     /// RMSNorm before the FFN.
     pub post_norm: Vec<f32>,
     /// Dense or MoE FFN.
@@ -398,6 +479,8 @@ pub struct DecoderModel {
     pub prefetch: PrefetchMode,
     /// Where each MoE layer's stacked expert tensors are (what `sluice convert` packs).
     pub expert_stacks: Vec<expert_store::StackedExperts>,
+    /// Where forward time goes, accumulated over every call.
+    pub profile: StepProfile,
 }
 
 impl DecoderModel {
@@ -481,16 +564,27 @@ impl DecoderModel {
             let kv = &mut cache.layers[i];
             let mut a = x.clone();
             ops::rms_norm(&mut a, &layer.input_norm, self.eps);
-            let a = layer.attn.forward(isa, &a, n, kv);
+            let start = Instant::now();
+            let a = layer.mixer.forward(isa, &a, n, kv);
+            let part = match layer.mixer {
+                Mixer::Attention(_) => Part::FullAttention,
+                Mixer::Linear(_) => Part::LinearAttention,
+            };
+            self.profile.add(part, start.elapsed());
             x.iter_mut().zip(&a).for_each(|(x, a)| *x += a);
             let mut b = x.clone();
             ops::rms_norm(&mut b, &layer.post_norm, self.eps);
             let f = match &layer.ffn {
-                Ffn::Dense(mlp) => mlp.forward(isa, &b, n),
+                Ffn::Dense(mlp) => {
+                    let start = Instant::now();
+                    let f = mlp.forward(isa, &b, n);
+                    self.profile.add(Part::DenseMlp, start.elapsed());
+                    f
+                }
                 Ffn::Moe(moe) => {
                     let predicted = self.predict_next(isa, i, &x, n, k, cache);
                     let hint = predicted.as_ref().map(|(l, e)| (*l, e.as_slice()));
-                    let (f, last) = moe.forward(isa, &b, n, k, hint)?;
+                    let (f, last) = moe.forward(isa, &b, n, k, hint, &self.profile)?;
                     if let Some(slot) = cache.last_experts.get_mut(i) {
                         *slot = last;
                     }
@@ -527,14 +621,14 @@ impl SparseMoe {
             for (e, wt) in ids.iter().zip(w) {
                 let rec = self.experts.read_expert(self.layer, *e).unwrap();
                 let parts: Vec<&[u8]> = rec.parts.iter().map(|p| p.as_slice()).collect();
-                let (pg, pu) = (self.formats[0].parts(), self.formats[1].parts());
+                let [gate, up, down] = self.layout.views(self.inter, h, &parts);
                 let mut g = vec![0f32; self.inter];
                 let mut u = vec![0f32; self.inter];
-                reference_matmul(&self.formats[0].view(self.inter, h, &parts[..pg]), xt, 1, &mut g);
-                reference_matmul(&self.formats[1].view(self.inter, h, &parts[pg..pg + pu]), xt, 1, &mut u);
+                reference_matmul(&gate, xt, 1, &mut g);
+                reference_matmul(&up, xt, 1, &mut u);
                 ops::swiglu(&mut g, &u);
                 let mut y = vec![0f32; h];
-                reference_matmul(&self.formats[2].view(h, self.inter, &parts[pg + pu..]), &g, 1, &mut y);
+                reference_matmul(&down, &g, 1, &mut y);
                 for (o, v) in out[t * h..(t + 1) * h].iter_mut().zip(&y) {
                     *o += wt * v;
                 }
@@ -552,6 +646,7 @@ mod tests {
     use super::*;
     use crate::cpu::testutil::{encode, pack};
     use crate::cpu::FloatType;
+    use crate::linear::WeightFormat;
 
     /// A random affine-quantized `[rows, cols]` matrix as (weight, scales, biases) bytes.
     fn random_quant(rng: &mut impl Rng, bits: u32, group: usize, rows: usize, cols: usize) -> Vec<Vec<u8>> {
@@ -600,8 +695,12 @@ mod tests {
             num_experts: experts,
             hidden: h,
             inter,
-            formats: [f; 3],
+            layout: ExpertLayout {
+                formats: [f; 3],
+                fused: false,
+            },
             experts: Arc::new(src),
+            shared: None,
         }
     }
 
@@ -618,7 +717,10 @@ mod tests {
             let mut rng = rand::rngs::StdRng::seed_from_u64(99);
             let x: Vec<f32> = (0..n * 64).map(|_| rng.gen_range(-1f32..1.0)).collect();
             for k in 1..=6 {
-                let fast = m.forward(Isa::detect(), &x, n, k, None).unwrap().0;
+                let fast = m
+                    .forward(Isa::detect(), &x, n, k, None, &StepProfile::default())
+                    .unwrap()
+                    .0;
                 let slow = m.forward_reference(&x, n, k);
                 let scale = slow.iter().fold(0f32, |a, v| a.max(v.abs()));
                 for (a, b) in fast.iter().zip(&slow) {
@@ -627,7 +729,14 @@ mod tests {
                 // Batched equals token-by-token bit for bit.
                 for t in 0..n {
                     let one = m
-                        .forward(Isa::detect(), &x[t * 64..(t + 1) * 64], 1, k, None)
+                        .forward(
+                            Isa::detect(),
+                            &x[t * 64..(t + 1) * 64],
+                            1,
+                            k,
+                            None,
+                            &StepProfile::default(),
+                        )
                         .unwrap()
                         .0;
                     assert_eq!(one, fast[t * 64..(t + 1) * 64]);
@@ -655,7 +764,9 @@ mod tests {
     fn a_failing_expert_read_is_an_error_not_a_panic() {
         let mut m = moe(RouterKind::TopKSoftmax, 5);
         m.experts = Arc::new(InMemoryExpertSource::new());
-        let e = m.forward(Isa::detect(), &[0.1; 64], 1, 2, None).unwrap_err();
+        let e = m
+            .forward(Isa::detect(), &[0.1; 64], 1, 2, None, &StepProfile::default())
+            .unwrap_err();
         assert!(e.to_string().contains("no expert record for layer 3"), "{e}");
     }
 }

@@ -132,11 +132,16 @@ impl Rope {
     }
 }
 
-/// One layer's key/value cache: `[positions, kv_heads · head_dim]` each.
+/// One layer's cache: keys/values `[positions, kv_heads · head_dim]` for attention layers, or the
+/// recurrent state of a linear-attention (Gated DeltaNet) layer.
 #[derive(Debug, Clone, Default)]
 pub struct LayerKv {
     k: Vec<f32>,
     v: Vec<f32>,
+    /// Linear attention: the last `kernel − 1` pre-convolution inputs, `[kernel − 1, conv_dim]`.
+    pub conv: Vec<f32>,
+    /// Linear attention: the recurrent state `S`, `[v_heads, v_head_dim, k_head_dim]`.
+    pub ssm: Vec<f32>,
 }
 
 impl LayerKv {
@@ -146,7 +151,7 @@ impl LayerKv {
     }
 }
 
-/// Per-layer KV caches of one sequence.
+/// Per-layer caches of one sequence.
 #[derive(Debug, Clone, Default)]
 pub struct KvCache {
     /// One per layer.
@@ -155,6 +160,33 @@ pub struct KvCache {
     pub len: usize,
     /// Per layer, the experts the last token was routed to (the prev-token prefetch prediction).
     pub last_experts: Vec<Vec<usize>>,
+}
+
+/// A snapshot of a [`KvCache`] at one position: KV lengths (KV caches roll back by truncation) and full
+/// copies of every recurrent state (which cannot be rolled back otherwise).
+#[derive(Debug, Clone)]
+pub struct CacheCheckpoint {
+    len: usize,
+    kv_lens: Vec<usize>,
+    recurrent: Vec<(Vec<f32>, Vec<f32>)>,
+    last_experts: Vec<Vec<usize>>,
+}
+
+impl CacheCheckpoint {
+    /// The position the snapshot was taken at.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it was taken before any token.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes held by the copied recurrent states.
+    pub fn bytes(&self) -> usize {
+        self.recurrent.iter().map(|(c, s)| (c.len() + s.len()) * 4).sum()
+    }
 }
 
 impl KvCache {
@@ -167,13 +199,39 @@ impl KvCache {
         }
     }
 
-    /// Forgets every position from `len` on (rollback).
-    pub fn truncate(&mut self, len: usize, kv_width: usize) {
-        for l in &mut self.layers {
-            l.k.truncate(len * kv_width);
-            l.v.truncate(len * kv_width);
+    /// Snapshots the cache after its current position.
+    pub fn checkpoint(&self) -> CacheCheckpoint {
+        CacheCheckpoint {
+            len: self.len,
+            kv_lens: self.layers.iter().map(|l| l.k.len()).collect(),
+            recurrent: self.layers.iter().map(|l| (l.conv.clone(), l.ssm.clone())).collect(),
+            last_experts: self.last_experts.clone(),
         }
-        self.len = self.len.min(len);
+    }
+
+    /// Returns the cache to `cp`'s position exactly: KV caches are truncated, recurrent states copied back.
+    /// `cp` must come from this sequence at or before its current position.
+    pub fn restore(&mut self, cp: &CacheCheckpoint) -> Result<()> {
+        let same_shape = cp.kv_lens.len() == self.layers.len()
+            && cp.len <= self.len
+            && cp.kv_lens.iter().zip(&self.layers).all(|(n, l)| *n <= l.k.len());
+        if !same_shape {
+            return Err(ModelError::InvalidArgument(format!(
+                "checkpoint at position {} does not belong to this cache (at position {}, {} layers)",
+                cp.len,
+                self.len,
+                self.layers.len()
+            )));
+        }
+        for (l, (n, (conv, ssm))) in self.layers.iter_mut().zip(cp.kv_lens.iter().zip(&cp.recurrent)) {
+            l.k.truncate(*n);
+            l.v.truncate(*n);
+            l.conv.clone_from(conv);
+            l.ssm.clone_from(ssm);
+        }
+        self.last_experts.clone_from(&cp.last_experts);
+        self.len = cp.len;
+        Ok(())
     }
 }
 

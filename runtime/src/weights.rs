@@ -6,20 +6,33 @@ use std::sync::Arc;
 use expert_store::{Checkpoint, Dtype, PackedStore, StackedExperts, TensorInfo};
 
 use crate::config::ModelConfig;
-use crate::cpu::FloatType;
+use crate::cpu::{FloatType, MatRef};
 use crate::error::{ModelError, Result};
 use crate::experts::ExpertOptions;
 use crate::linear::{Linear, WeightFormat};
 use crate::quant::QuantMode;
 
-/// Prefix VLM-style checkpoints put before the language model's weights.
+/// Prefix MLX VLM-style checkpoints put before the language model's weights.
 const VLM_PREFIX: &str = "language_model.";
 
+/// Where Hugging Face VLM checkpoints (Qwen3.5) keep the text model's `model.*` weights.
+const HF_VLM_MODEL: &str = "model.language_model.";
+
+/// How this checkpoint names the text model's tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Naming {
+    /// `model.layers.N...`, `lm_head.weight`.
+    Plain,
+    /// MLX VLM: everything under `language_model.`.
+    MlxVlm,
+    /// Hugging Face VLM: `model.*` under `model.language_model.*`, `lm_head.weight` at the top.
+    HfVlm,
+}
 /// A checkpoint plus the config that says how to read it.
 pub struct Weights {
     ckpt: Arc<Checkpoint>,
     config: ModelConfig,
-    prefix: &'static str,
+    naming: Naming,
     /// How expert records are served.
     pub(crate) expert_opts: ExpertOptions,
     /// The packed store the experts come from, if any.
@@ -43,18 +56,20 @@ fn bad(name: &str, message: String) -> ModelError {
 }
 
 impl Weights {
-    /// Opens the safetensors of `dir`, detecting a `language_model.` prefix.
+    /// Opens the safetensors of `dir`, detecting VLM-style name prefixes (vision weights are never read).
     pub fn open(dir: &Path, config: ModelConfig) -> Result<Self> {
         let ckpt = Arc::new(Checkpoint::open(dir)?);
-        let prefix = if ckpt.names().any(|n| n.starts_with(VLM_PREFIX)) {
-            VLM_PREFIX
+        let naming = if ckpt.names().any(|n| n.starts_with(VLM_PREFIX)) {
+            Naming::MlxVlm
+        } else if ckpt.names().any(|n| n.starts_with(HF_VLM_MODEL)) {
+            Naming::HfVlm
         } else {
-            ""
+            Naming::Plain
         };
         Ok(Self {
             ckpt,
             config,
-            prefix,
+            naming,
             expert_opts: ExpertOptions::default(),
             store: None,
         })
@@ -70,9 +85,17 @@ impl Weights {
         &self.ckpt
     }
 
-    /// Full tensor name of `path` in this checkpoint.
+    /// Full tensor name of `path` (an MLX text-model name such as `model.layers.0.mlp.gate.weight`) in this
+    /// checkpoint.
     pub fn name(&self, path: &str) -> String {
-        format!("{}{path}", self.prefix)
+        match self.naming {
+            Naming::Plain => path.to_string(),
+            Naming::MlxVlm => format!("{VLM_PREFIX}{path}"),
+            Naming::HfVlm => match path.strip_prefix("model.") {
+                Some(rest) => format!("{HF_VLM_MODEL}{rest}"),
+                None => path.to_string(),
+            },
+        }
     }
 
     /// Whether tensor `path` exists.
@@ -98,11 +121,36 @@ impl Weights {
         Ok(out)
     }
 
+    /// A small float tensor of one of the `shapes` (e.g. a conv kernel), copied to f32 in storage order.
+    pub fn array(&self, path: &str, shapes: &[&[usize]]) -> Result<Vec<f32>> {
+        let name = self.name(path);
+        let t = self.tensor(path)?;
+        let ft =
+            float_type(t.dtype).ok_or_else(|| bad(&name, format!("expected a float tensor, got {:?}", t.dtype)))?;
+        if !shapes.contains(&t.shape.as_slice()) {
+            return Err(bad(&name, format!("expected shape {shapes:?}, got {:?}", t.shape)));
+        }
+        let mut out = vec![0f32; t.shape.iter().product()];
+        ft.to_f32(t.bytes(), 0, &mut out);
+        Ok(out)
+    }
+
+    /// The shape of tensor `path`, if present.
+    pub fn shape(&self, path: &str) -> Option<&[usize]> {
+        self.ckpt.get(&self.name(path)).map(|t| t.shape.as_slice())
+    }
+
     /// The storage format of module `module` (its `.weight`, and `.scales`/`.biases` when quantized), checking
     /// every tensor's dtype and shape: `lead` leading dims (e.g. `[num_experts]`), then `[rows, cols]`.
     fn format_of(&self, module: &str, lead: &[usize], rows: usize, cols: usize) -> Result<(WeightFormat, Vec<String>)> {
-        let wname = self.name(&format!("{module}.weight"));
-        let w = self.tensor(&format!("{module}.weight"))?;
+        // Hugging Face's fused expert tensors (`experts.gate_up_proj`) are bare tensors without `.weight`.
+        let wpath = if !self.has(&format!("{module}.weight")) && self.has(module) {
+            module.to_string()
+        } else {
+            format!("{module}.weight")
+        };
+        let wname = self.name(&wpath);
+        let w = self.tensor(&wpath)?;
         let scales = format!("{module}.scales");
         let shape_of = |tail: &[usize]| -> Vec<usize> { lead.iter().chain(tail).copied().collect() };
         if !self.has(&scales) {
@@ -124,7 +172,7 @@ impl Weights {
             }
             return Ok((WeightFormat::Dense(ft), vec![wname]));
         }
-        let alt = format!("{}{module}", self.prefix);
+        let alt = self.name(module);
         let spec = self
             .config
             .quant
@@ -219,37 +267,93 @@ impl Weights {
         })
     }
 
-    /// Stacked experts under `module` (`gate_proj`, `up_proj`, `down_proj` of `[num_experts, rows, cols]`):
-    /// the format of each projection and the record layout for the expert store.
+    /// The stacked experts of the MoE block at `moe` (e.g. `model.layers.3.mlp`), in any layout:
+    /// MLX `switch_mlp.{gate,up,down}_proj` (`[num_experts, rows, cols]` each), a fused
+    /// `switch_mlp.gate_up_proj` (`[num_experts, 2·inter, hidden]`, gate rows first), or Hugging Face's bare
+    /// `experts.gate_up_proj` / `experts.down_proj`. Returns how to read a record and the record layout for
+    /// the expert store.
     pub fn stacked_experts(
         &self,
-        module: &str,
+        moe: &str,
         layer: usize,
         num_experts: usize,
         hidden: usize,
         inter: usize,
-    ) -> Result<([WeightFormat; 3], StackedExperts)> {
+    ) -> Result<(ExpertLayout, StackedExperts)> {
+        let fused_in = ["switch_mlp", "experts"]
+            .into_iter()
+            .map(|m| format!("{moe}.{m}"))
+            .find(|m| self.has(&format!("{m}.gate_up_proj.weight")) || self.has(&format!("{m}.gate_up_proj")));
+        let (projections, fused) = match &fused_in {
+            Some(m) => (
+                vec![
+                    (format!("{m}.gate_up_proj"), 2 * inter, hidden),
+                    (format!("{m}.down_proj"), hidden, inter),
+                ],
+                true,
+            ),
+            None => (
+                vec![
+                    (format!("{moe}.switch_mlp.gate_proj"), inter, hidden),
+                    (format!("{moe}.switch_mlp.up_proj"), inter, hidden),
+                    (format!("{moe}.switch_mlp.down_proj"), hidden, inter),
+                ],
+                false,
+            ),
+        };
         let mut tensors = Vec::new();
-        let mut formats = [WeightFormat::Dense(FloatType::F32); 3];
-        for (i, (proj, rows, cols)) in [
-            ("gate_proj", inter, hidden),
-            ("up_proj", inter, hidden),
-            ("down_proj", hidden, inter),
-        ]
-        .iter()
-        .enumerate()
-        {
-            let (f, names) = self.format_of(&format!("{module}.{proj}"), &[num_experts], *rows, *cols)?;
-            formats[i] = f;
+        let mut formats = Vec::new();
+        for (module, rows, cols) in &projections {
+            let (f, names) = self.format_of(module, &[num_experts], *rows, *cols)?;
+            formats.push(f);
             tensors.extend(names);
         }
+        let formats = if fused {
+            [formats[0], formats[0], formats[1]]
+        } else {
+            [formats[0], formats[1], formats[2]]
+        };
         Ok((
-            formats,
+            ExpertLayout { formats, fused },
             StackedExperts {
                 layer,
                 num_experts,
                 tensors,
             },
         ))
+    }
+}
+
+/// How one expert record's parts form its gate, up and down matrices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertLayout {
+    /// Storage of the gate, up and down projections.
+    pub formats: [WeightFormat; 3],
+    /// Gate and up share one `[2·inter, hidden]` matrix (gate rows first), stored as one set of parts.
+    pub fused: bool,
+}
+
+impl ExpertLayout {
+    /// Gate, up and down views of one record's parts.
+    pub fn views<'a>(&self, inter: usize, hidden: usize, parts: &[&'a [u8]]) -> [MatRef<'a>; 3] {
+        let [fg, fu, fd] = self.formats;
+        if self.fused {
+            // Row-major `[2·inter, ·]` parts: the first half of every part's bytes is the gate's rows.
+            let pg = fg.parts();
+            let halves: Vec<(&[u8], &[u8])> = parts[..pg].iter().map(|p| p.split_at(p.len() / 2)).collect();
+            let gate: Vec<&[u8]> = halves.iter().map(|h| h.0).collect();
+            let up: Vec<&[u8]> = halves.iter().map(|h| h.1).collect();
+            return [
+                fg.view(inter, hidden, &gate),
+                fu.view(inter, hidden, &up),
+                fd.view(hidden, inter, &parts[pg..]),
+            ];
+        }
+        let (pg, pu) = (fg.parts(), fu.parts());
+        [
+            fg.view(inter, hidden, &parts[..pg]),
+            fu.view(inter, hidden, &parts[pg..pg + pu]),
+            fd.view(hidden, inter, &parts[pg + pu..]),
+        ]
     }
 }

@@ -20,6 +20,17 @@ struct Golden {
     logits: Vec<Vec<f32>>,
     greedy: Vec<u32>,
     logits_top1: Vec<f32>,
+    /// Hybrid fixtures: more prompts (1, 3 and 200 tokens).
+    #[serde(default)]
+    extra_prompts: Vec<ExtraPrompt>,
+}
+
+#[derive(serde::Deserialize)]
+struct ExtraPrompt {
+    ids: Vec<u32>,
+    logit_positions: Vec<usize>,
+    logits: Vec<Vec<f32>>,
+    greedy: Vec<u32>,
 }
 
 fn golden(dir: &Path) -> Golden {
@@ -124,4 +135,49 @@ fn decode_step_equals_prefill_position_bit_for_bit() {
         assert_eq!(c2.len, n);
         assert_eq!(batched, last, "{}", dir.display());
     }
+}
+
+#[test]
+fn hybrid_prompts_of_every_length_match_mlx_lm() {
+    // One token, a few tokens, and a prompt longer than any chunk (the recurrence runs token by token over
+    // the whole prompt; Pipeline prefill chunks of 512 never split these).
+    let mut checked = 0;
+    for dir in fixtures() {
+        let g = golden(&dir);
+        if g.extra_prompts.is_empty() {
+            continue;
+        }
+        let m = load_model(&dir).unwrap();
+        let v = m.info.vocab_size;
+        for p in &g.extra_prompts {
+            let what = format!("{} ({} tokens)", dir.display(), p.ids.len());
+            let mut cache = m.new_cache();
+            let all = m
+                .forward(
+                    &p.ids,
+                    &mut cache,
+                    &ForwardOptions {
+                        all_logits: true,
+                        ..Default::default()
+                    },
+                )
+                .unwrap();
+            for (pos, want) in p.logit_positions.iter().zip(&p.logits) {
+                assert_close(&format!("{what} pos {pos}"), &all[pos * v..(pos + 1) * v], want);
+            }
+            let mut logits = all[(p.ids.len() - 1) * v..].to_vec();
+            let mut out = Vec::new();
+            for _ in 0..p.greedy.len() {
+                let t = argmax(&logits);
+                out.push(t);
+                logits = m.forward(&[t], &mut cache, &ForwardOptions::default()).unwrap();
+            }
+            assert_eq!(out, p.greedy, "{what}");
+            checked += 1;
+        }
+    }
+    assert!(
+        checked >= 24,
+        "expected 3 prompts on each of the 8 hybrid fixtures, checked {checked}"
+    );
 }

@@ -22,6 +22,11 @@ fn matmul_matches_the_int8_oracle_for_every_shape() {
         (8, 64, 33, 256, 1),
         (8, 32, 8, 128, 5),
         (8, 128, 17, 256, 2),
+        // One-row matrices (Qwen3-Next's shared-expert gate) and few-row ones (linear-attention b/a).
+        (8, 64, 1, 128, 1),
+        (8, 64, 1, 128, 3),
+        (4, 64, 1, 256, 2),
+        (4, 64, 4, 128, 1),
     ] {
         let gpr = cols / group;
         let codes: Vec<u32> = (0..rows * cols).map(|_| rng.gen_range(0..(1u32 << bits))).collect();
@@ -77,11 +82,17 @@ struct Golden {
     prompt_ids: Vec<u32>,
     logit_positions: Vec<usize>,
     logits: Vec<Vec<f32>>,
+    extra_prompts: Option<Vec<serde_json::Value>>,
 }
 
 /// Tiny random fixtures are chaotic (int8 rounding flips near-tied routing decisions, and a different
 /// expert moves the logits a lot), so this bounds gross errors only; the kernels themselves are checked
 /// exactly against their oracle above. A layout bug would put the error at the logits' own scale.
+///
+/// The hybrid fixtures (4–8 layers of Gated DeltaNet + MoE) are left out: they amplify activation rounding
+/// far more. Emulating int8 activations inside mlx-lm itself (round each 32-value block to int8 before every
+/// quantized matmul) moves their logits by up to 110% of the largest logit (qwen3_next-q4g64, position 19),
+/// so no bound here could tell a bug from the noise; their layouts are checked by the exact path's goldens.
 #[test]
 fn fixture_logits_stay_close_to_mlx_lm() {
     set_q8_activations(true);
@@ -89,6 +100,9 @@ fn fixture_logits_stay_close_to_mlx_lm() {
     let mut rels = Vec::new();
     for dir in fixtures() {
         let g: Golden = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+        if g.extra_prompts.is_some_and(|e| !e.is_empty()) {
+            continue;
+        }
         let m = load_model(&dir).unwrap();
         let mut cache = m.new_cache();
         let v = m.info.vocab_size;

@@ -63,10 +63,12 @@ pub fn load(w: &Weights) -> Result<DecoderModel> {
         rope: Rope::new(attn.head_dim, c.rope_theta, c.rope_traditional, c.rope_scaling.as_ref())?,
         router: RouterKind::TopKSoftmax,
         top_k: c.num_experts_per_tok,
+        hybrid: None,
     };
     build_decoder(w, dims, |i| FfnPlan::Moe {
         prefix: format!("model.layers.{i}.block_sparse_moe"),
         num_experts: c.num_local_experts,
         inter: c.intermediate_size,
+        shared: None,
     })
 }

@@ -2,6 +2,7 @@
 
 mod mixtral;
 mod qwen3_moe;
+mod qwen3_next;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -11,14 +12,23 @@ use expert_store::ExpertSource;
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::experts::{open_source, ExpertOptions, ModelLocation};
-use crate::layers::{Attention, DecoderLayer, DecoderModel, Ffn, Mlp, ModelInfo, RouterKind, SparseMoe};
+use crate::gated_delta::{DeltaShape, GatedDeltaNet};
+use crate::layers::{
+    Attention, AttnSpec, DecoderLayer, DecoderModel, Ffn, Mixer, Mlp, ModelInfo, RouterKind, SharedExpert, SparseMoe,
+};
 use crate::ops::{AttnShape, Rope};
 use crate::weights::Weights;
 
 type Loader = fn(&Weights) -> Result<DecoderModel>;
 
 /// `model_type` → loader.
-const REGISTRY: &[(&str, Loader)] = &[("qwen3_moe", qwen3_moe::load), ("mixtral", mixtral::load)];
+const REGISTRY: &[(&str, Loader)] = &[
+    ("qwen3_moe", qwen3_moe::load),
+    ("mixtral", mixtral::load),
+    ("qwen3_next", qwen3_next::load),
+    ("qwen3_5_moe", qwen3_next::load),
+    ("qwen3_5_moe_text", qwen3_next::load),
+];
 
 /// The `model_type`s this build can load.
 pub fn supported_model_types() -> Vec<&'static str> {
@@ -68,7 +78,20 @@ pub(crate) enum FfnPlan {
         prefix: String,
         num_experts: usize,
         inter: usize,
+        /// A shared expert at `{prefix}.shared_expert` with this intermediate size, gated by
+        /// `{prefix}.shared_expert_gate` when that exists.
+        shared: Option<usize>,
     },
+}
+
+/// The Qwen3-Next / Qwen3.5 hybrid: which layers are Gated DeltaNet, their shape, and the norm convention.
+pub(crate) struct Hybrid {
+    /// Per layer: linear attention (else gated full attention).
+    pub linear: Vec<bool>,
+    /// Gated DeltaNet shape.
+    pub delta: DeltaShape,
+    /// Added to every (1 + w) norm: 1 for Hugging Face checkpoints (zero-centred), 0 for MLX ones.
+    pub norm_offset: f32,
 }
 
 /// The shape facts every decoder-only MoE here shares.
@@ -84,6 +107,7 @@ pub(crate) struct DecoderDims {
     pub rope: Rope,
     pub router: RouterKind,
     pub top_k: usize,
+    pub hybrid: Option<Hybrid>,
 }
 
 impl DecoderDims {
@@ -113,7 +137,8 @@ impl DecoderDims {
     }
 }
 
-/// Assembles embedding, layers (attention at `model.layers.N.self_attn`, FFN per `plan`), norm and head.
+/// Assembles embedding, layers (attention at `model.layers.N.self_attn`, or for hybrids linear attention at
+/// `model.layers.N.linear_attn`; FFN per `plan`), norm and head.
 pub(crate) fn build_decoder(w: &Weights, d: DecoderDims, plan: impl Fn(usize) -> FfnPlan) -> Result<DecoderModel> {
     let plans: Vec<FfnPlan> = (0..d.layers).map(plan).collect();
     let num_experts = plans.iter().find_map(|p| {
@@ -132,13 +157,28 @@ pub(crate) fn build_decoder(w: &Weights, d: DecoderDims, plan: impl Fn(usize) ->
             prefix,
             num_experts,
             inter,
+            ..
         } = p
         {
-            let (f, s) = w.stacked_experts(&format!("{prefix}.switch_mlp"), i, *num_experts, d.hidden, *inter)?;
+            let (f, s) = w.stacked_experts(prefix, i, *num_experts, d.hidden, *inter)?;
             formats.push(f);
             stacks.push(s);
         }
     }
+    let offset = d.hybrid.as_ref().map_or(0.0, |h| h.norm_offset);
+    let norm = |path: &str| -> Result<Vec<f32>> {
+        let mut v = w.vector(path, d.hidden)?;
+        v.iter_mut().for_each(|x| *x += offset);
+        Ok(v)
+    };
+    let attn_spec = AttnSpec {
+        shape: d.attn,
+        rope: d.rope.clone(),
+        eps: d.eps,
+        qk_norm: d.qk_norm,
+        output_gate: d.hybrid.is_some(),
+        norm_offset: offset,
+    };
     let source: Arc<dyn ExpertSource> = if stacks.is_empty() {
         Arc::new(expert_store::InMemoryExpertSource::new())
     } else {
@@ -154,6 +194,7 @@ pub(crate) fn build_decoder(w: &Weights, d: DecoderDims, plan: impl Fn(usize) ->
                 prefix,
                 num_experts,
                 inter,
+                shared,
             } => Ffn::Moe(SparseMoe {
                 router: w.linear(&format!("{prefix}.gate"), *num_experts, d.hidden)?,
                 kind: d.router,
@@ -161,22 +202,35 @@ pub(crate) fn build_decoder(w: &Weights, d: DecoderDims, plan: impl Fn(usize) ->
                 num_experts: *num_experts,
                 hidden: d.hidden,
                 inter: *inter,
-                formats: formats.next().expect("one format per MoE layer"),
+                layout: formats.next().expect("one layout per MoE layer"),
                 experts: Arc::clone(&source),
+                shared: match shared {
+                    Some(si) => Some(Box::new(SharedExpert {
+                        mlp: Mlp::load(w, &format!("{prefix}.shared_expert"), d.hidden, *si)?,
+                        gate: if w.has(&format!("{prefix}.shared_expert_gate.weight")) {
+                            Some(w.linear(&format!("{prefix}.shared_expert_gate"), 1, d.hidden)?)
+                        } else {
+                            None
+                        },
+                    })),
+                    None => None,
+                },
             }),
         };
-        layers.push(DecoderLayer {
-            input_norm: w.vector(&format!("{base}.input_layernorm.weight"), d.hidden)?,
-            attn: Attention::load(
+        let mixer = match &d.hybrid {
+            Some(h) if h.linear[i] => Mixer::Linear(GatedDeltaNet::load(
                 w,
-                &format!("{base}.self_attn"),
+                &format!("{base}.linear_attn"),
                 d.hidden,
-                d.attn,
-                d.rope.clone(),
+                h.delta,
                 d.eps,
-                d.qk_norm,
-            )?,
-            post_norm: w.vector(&format!("{base}.post_attention_layernorm.weight"), d.hidden)?,
+            )?),
+            _ => Mixer::Attention(Attention::load(w, &format!("{base}.self_attn"), d.hidden, &attn_spec)?),
+        };
+        layers.push(DecoderLayer {
+            input_norm: norm(&format!("{base}.input_layernorm.weight"))?,
+            mixer,
+            post_norm: norm(&format!("{base}.post_attention_layernorm.weight"))?,
             ffn,
         });
     }
@@ -199,11 +253,12 @@ pub(crate) fn build_decoder(w: &Weights, d: DecoderDims, plan: impl Fn(usize) ->
         },
         embed,
         layers,
-        norm: w.vector("model.norm.weight", d.hidden)?,
+        norm: norm("model.norm.weight")?,
         lm_head,
         eps: d.eps,
         hidden: d.hidden,
         prefetch: w.expert_opts.prefetch,
         expert_stacks: stacks,
+        profile: Default::default(),
     })
 }

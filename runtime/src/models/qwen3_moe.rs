@@ -80,6 +80,7 @@ pub fn load(w: &Weights) -> Result<DecoderModel> {
             renormalize: c.norm_topk_prob,
         },
         top_k: c.num_experts_per_tok,
+        hybrid: None,
     };
     build_decoder(w, dims, |i| {
         let prefix = format!("model.layers.{i}.mlp");
@@ -88,6 +89,7 @@ pub fn load(w: &Weights) -> Result<DecoderModel> {
                 prefix,
                 num_experts: c.num_experts,
                 inter: c.moe_intermediate_size,
+                shared: None,
             }
         } else {
             FfnPlan::Dense {

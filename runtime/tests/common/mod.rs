@@ -11,7 +11,7 @@ pub fn fixtures() -> Vec<PathBuf> {
         .filter(|p| p.join("golden.json").exists())
         .collect();
     v.sort();
-    assert!(v.len() >= 16, "expected the committed fixtures, found {}", v.len());
+    assert!(v.len() >= 25, "expected the committed fixtures, found {}", v.len());
     v
 }
 
