@@ -11,7 +11,7 @@ use clap::Args;
 use expert_store::{CounterSnapshot, PosixFile, ReadAt, RecordTable, SlotBuf, DIRECT_ALIGN};
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
-use sluice_runtime::{DecoderModel, ForwardOptions, Pipeline};
+use sluice_runtime::{DecoderModel, ForwardOptions, Part, Pipeline};
 
 use crate::store_cmds::EngineArgs;
 
@@ -75,6 +75,9 @@ struct RunReport {
     effective_queue_depth: f64,
     prefetch_accuracy: f64,
     prefetch_wasted_bytes: u64,
+    /// Where decode time went, as shares of it: each layer part (routed experts without their I/O wait),
+    /// `io_wait` (waiting for expert records) and `other` (embedding, norms, output head).
+    decode_split: Vec<(String, f64)>,
     decode_counters: Option<CounterSnapshot>,
 }
 
@@ -217,16 +220,37 @@ fn measure(m: &DecoderModel, name: &str, tokens: &[u32], prompt: usize, top_k: u
     }
     let prefill = t0.elapsed();
     let before = counters.as_ref().map(|c| c.snapshot());
+    let parts_before = m.profile.snapshot();
     let t1 = Instant::now();
     for &t in &tokens[prompt..] {
         m.forward(&[t], &mut cache, &opts)?;
     }
     let decode = t1.elapsed();
+    let parts: Vec<(Part, f64)> = m
+        .profile
+        .snapshot()
+        .into_iter()
+        .zip(parts_before)
+        .map(|((p, after), (_, before))| (p, after - before))
+        .collect();
     let gen = tokens.len() - prompt;
     let d = counters.map(|c| c.snapshot().since(&before.unwrap_or_default()));
     let z = CounterSnapshot::default();
     let c = d.as_ref().unwrap_or(&z);
     let secs = decode.as_secs_f64();
+    let mut decode_split = Vec::new();
+    let mut accounted = 0.0;
+    for (p, t) in parts {
+        let t = if p == Part::RoutedExperts {
+            t - c.io_wait_seconds
+        } else {
+            t
+        };
+        accounted += t;
+        decode_split.push((p.name().to_string(), t / secs));
+    }
+    decode_split.push(("io_wait".into(), c.io_wait_seconds / secs));
+    decode_split.push(("other".into(), (secs - accounted - c.io_wait_seconds).max(0.0) / secs));
     Ok(RunReport {
         run: name.into(),
         prompt_tokens: prompt,
@@ -247,6 +271,7 @@ fn measure(m: &DecoderModel, name: &str, tokens: &[u32], prompt: usize, top_k: u
         effective_queue_depth: c.effective_queue_depth(),
         prefetch_accuracy: c.prefetch_accuracy(),
         prefetch_wasted_bytes: c.prefetch_wasted_bytes,
+        decode_split,
         decode_counters: d,
     })
 }
@@ -389,6 +414,15 @@ fn print_table(r: &Report) {
             x.effective_queue_depth,
             100.0 * x.prefetch_accuracy
         );
+    }
+    for x in &r.runs {
+        let parts: Vec<String> = x
+            .decode_split
+            .iter()
+            .filter(|(_, share)| *share >= 0.0005)
+            .map(|(name, share)| format!("{} {:.1}%", name.replace('_', " "), 100.0 * share))
+            .collect();
+        println!("{} decode time: {}", x.run, parts.join(" | "));
     }
     if let (Some(disk), Some(w)) = (r.disk_probe_gb_s, r.runs.first()) {
         if w.read_gb_s > 0.0 {

@@ -24,7 +24,8 @@ use serde_json::{json, Value};
 /// Arguments of `sluice synth`.
 #[derive(Args)]
 pub struct SynthArgs {
-    /// Shape to copy: qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b, bench-7b.
+    /// Shape to copy: qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b, bench-7b, qwen3.5-122b-a10b,
+    /// qwen3.5-397b-a17b, qwen3-next-80b-a3b.
     #[arg(long)]
     shape: String,
     /// Output model directory.
@@ -100,6 +101,65 @@ struct Shape {
     vocab: usize,
     max_pos: usize,
     rms_eps: f64,
+    /// Qwen3-Next / Qwen3.5 hybrid layers.
+    hybrid: Option<HybridShape>,
+}
+
+/// The linear-attention and shared-expert facts of a Qwen3-Next / Qwen3.5 shape.
+#[derive(Clone, Copy)]
+struct HybridShape {
+    k_heads: usize,
+    v_heads: usize,
+    k_dim: usize,
+    v_dim: usize,
+    shared_inter: usize,
+    /// Every `interval`-th layer is full attention.
+    interval: usize,
+    rope_theta: f64,
+}
+
+impl HybridShape {
+    const fn qwen(k_heads: usize, v_heads: usize, shared_inter: usize, rope_theta: f64) -> Self {
+        HybridShape {
+            k_heads,
+            v_heads,
+            k_dim: 128,
+            v_dim: 128,
+            shared_inter,
+            interval: 4,
+            rope_theta,
+        }
+    }
+}
+
+/// Qwen3-Next / Qwen3.5 (architectures.md §9.1): 2 KV heads of 256, conv kernel 4.
+#[allow(clippy::too_many_arguments)]
+const fn hybrid(
+    model_type: &'static str,
+    hidden: usize,
+    layers: usize,
+    experts: usize,
+    top_k: usize,
+    moe_inter: usize,
+    heads: usize,
+    vocab: usize,
+    h: HybridShape,
+) -> Shape {
+    Shape {
+        model_type,
+        hidden,
+        layers,
+        experts,
+        top_k,
+        moe_inter,
+        heads,
+        kv_heads: 2,
+        head_dim: 256,
+        vocab,
+        max_pos: 262144,
+        rms_eps: 1e-6,
+        hybrid: Some(h),
+    }
 }
 
 const SHAPES: &[(&str, Shape)] = &[
@@ -125,7 +185,53 @@ const SHAPES: &[(&str, Shape)] = &[
             vocab: 32000,
             max_pos: 32768,
             rms_eps: 1e-5,
+            hybrid: None,
         },
+    ),
+    // Qwen/Qwen3.5-122B-A10B: 69 GB at 4 bits, 2.0 GB of experts per token.
+    (
+        "qwen3.5-122b-a10b",
+        hybrid(
+            "qwen3_5_moe",
+            3072,
+            48,
+            256,
+            8,
+            1024,
+            32,
+            248320,
+            HybridShape::qwen(16, 64, 1024, 1e7),
+        ),
+    ),
+    // Qwen/Qwen3.5-397B-A17B: 223 GB at 4 bits, 4.25 GB of experts per token.
+    (
+        "qwen3.5-397b-a17b",
+        hybrid(
+            "qwen3_5_moe",
+            4096,
+            60,
+            512,
+            10,
+            1024,
+            32,
+            248320,
+            HybridShape::qwen(16, 64, 1024, 1e7),
+        ),
+    ),
+    // Qwen/Qwen3-Next-80B-A3B.
+    (
+        "qwen3-next-80b-a3b",
+        hybrid(
+            "qwen3_next",
+            2048,
+            48,
+            512,
+            10,
+            512,
+            16,
+            151936,
+            HybridShape::qwen(16, 32, 512, 5e6),
+        ),
     ),
 ];
 
@@ -154,14 +260,29 @@ impl Shape {
             vocab,
             max_pos: 40960,
             rms_eps: 1e-6,
+            hybrid: None,
+        }
+    }
+
+    /// Qwen3.5 checkpoints are VLM-style: the text model's tensors live under `language_model.`.
+    fn prefix(&self) -> &'static str {
+        if self.model_type == "qwen3_5_moe" {
+            "language_model."
+        } else {
+            ""
         }
     }
 
     fn moe_prefix(&self, l: usize) -> String {
         match self.model_type {
             "mixtral" => format!("model.layers.{l}.block_sparse_moe"),
-            _ => format!("model.layers.{l}.mlp"),
+            _ => format!("{}model.layers.{l}.mlp", self.prefix()),
         }
+    }
+
+    /// Layers in one repeat of the layer pattern.
+    fn period(&self) -> usize {
+        self.hybrid.map_or(1, |h| h.interval)
     }
 }
 
@@ -274,8 +395,76 @@ impl Plan {
         });
     }
 
+    /// A small bf16 tensor (conv taps, per-head decay parameters) of one constant value.
+    fn floats(&self, out: &mut Vec<Tensor>, name: &str, shape: &[usize], value: f32) {
+        out.push(Tensor {
+            name: name.to_string(),
+            dtype: Dtype::Bf16,
+            shape: shape.to_vec(),
+            fill: Fill::Bf16(value),
+            params: shape.iter().product::<usize>() as u64,
+            expert: false,
+        });
+    }
+
+    /// A Qwen3-Next / Qwen3.5 layer: Gated DeltaNet or gated attention, then routed plus shared experts.
+    fn hybrid_layer_tensors(&self, l: usize, hy: HybridShape) -> Vec<Tensor> {
+        let s = &self.s;
+        let bits = self.bits;
+        let out_gain = 0.1 / (s.layers.max(1) as f32).sqrt();
+        let mut t = Vec::new();
+        let h = s.hidden;
+        let base = format!("{}model.layers.{l}", s.prefix());
+        if !(l + 1).is_multiple_of(hy.interval) {
+            let a = format!("{base}.linear_attn");
+            let (kd, vd) = (hy.k_heads * hy.k_dim, hy.v_heads * hy.v_dim);
+            let conv = 2 * kd + vd;
+            if s.model_type == "qwen3_next" {
+                self.quantized(&mut t, &format!("{a}.in_proj_qkvz"), &[], conv + vd, h, bits, 1.0);
+                self.quantized(&mut t, &format!("{a}.in_proj_ba"), &[], 2 * hy.v_heads, h, bits, 1.0);
+            } else {
+                self.quantized(&mut t, &format!("{a}.in_proj_qkv"), &[], conv, h, bits, 1.0);
+                self.quantized(&mut t, &format!("{a}.in_proj_z"), &[], vd, h, bits, 1.0);
+                self.quantized(&mut t, &format!("{a}.in_proj_b"), &[], hy.v_heads, h, bits, 1.0);
+                self.quantized(&mut t, &format!("{a}.in_proj_a"), &[], hy.v_heads, h, bits, 1.0);
+            }
+            // Conv taps averaging the last 4 inputs; decay exp(-softplus(a - 2)) ≈ 0.88 per token.
+            self.floats(&mut t, &format!("{a}.conv1d.weight"), &[conv, 4, 1], 0.25);
+            self.floats(&mut t, &format!("{a}.A_log"), &[hy.v_heads], 0.0);
+            self.floats(&mut t, &format!("{a}.dt_bias"), &[hy.v_heads], -2.0);
+            self.norm(&mut t, &format!("{a}.norm"), hy.v_dim);
+            self.quantized(&mut t, &format!("{a}.out_proj"), &[], h, vd, bits, out_gain);
+        } else {
+            let a = format!("{base}.self_attn");
+            let (q, kv) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
+            self.quantized(&mut t, &format!("{a}.q_proj"), &[], 2 * q, h, bits, 1.0);
+            self.quantized(&mut t, &format!("{a}.k_proj"), &[], kv, h, bits, 1.0);
+            self.quantized(&mut t, &format!("{a}.v_proj"), &[], kv, h, bits, 1.0);
+            self.quantized(&mut t, &format!("{a}.o_proj"), &[], h, q, bits, out_gain);
+            self.norm(&mut t, &format!("{a}.q_norm"), s.head_dim);
+            self.norm(&mut t, &format!("{a}.k_norm"), s.head_dim);
+        }
+        self.norm(&mut t, &format!("{base}.input_layernorm"), h);
+        self.norm(&mut t, &format!("{base}.post_attention_layernorm"), h);
+        let m = s.moe_prefix(l);
+        self.quantized(&mut t, &format!("{m}.gate"), &[], s.experts, h, GATE_BITS, 1.0);
+        let (e, i) = ([s.experts], s.moe_inter);
+        self.quantized(&mut t, &format!("{m}.switch_mlp.gate_proj"), &e, i, h, bits, 1.0);
+        self.quantized(&mut t, &format!("{m}.switch_mlp.up_proj"), &e, i, h, bits, 1.0);
+        self.quantized(&mut t, &format!("{m}.switch_mlp.down_proj"), &e, h, i, bits, out_gain);
+        let (se, si) = (format!("{m}.shared_expert"), hy.shared_inter);
+        self.quantized(&mut t, &format!("{se}.gate_proj"), &[], si, h, bits, 1.0);
+        self.quantized(&mut t, &format!("{se}.up_proj"), &[], si, h, bits, 1.0);
+        self.quantized(&mut t, &format!("{se}.down_proj"), &[], h, si, bits, out_gain);
+        self.quantized(&mut t, &format!("{m}.shared_expert_gate"), &[], 1, h, GATE_BITS, 1.0);
+        t
+    }
+
     fn layer_tensors(&self, l: usize) -> Vec<Tensor> {
         let s = &self.s;
+        if let Some(hy) = s.hybrid {
+            return self.hybrid_layer_tensors(l, hy);
+        }
         let bits = self.bits;
         // Residual branches kept small (0.1/√layers in total): the residual stream stays dominated by the
         // token, so routing spreads over the experts from token to token as in trained, load-balanced models.
@@ -311,9 +500,10 @@ impl Plan {
         let mut t = Vec::new();
         // Unit-variance embeddings: the residual stream is O(1) and the layers' small branches stay small.
         let emb_gain = (s.hidden as f32).sqrt();
+        let pre = s.prefix();
         self.quantized(
             &mut t,
-            "model.embed_tokens",
+            &format!("{pre}model.embed_tokens"),
             &[],
             s.vocab,
             s.hidden,
@@ -323,8 +513,8 @@ impl Plan {
         for l in 0..s.layers {
             t.extend(self.layer_tensors(l));
         }
-        self.norm(&mut t, "model.norm", s.hidden);
-        self.quantized(&mut t, "lm_head", &[], s.vocab, s.hidden, self.bits, 1.0);
+        self.norm(&mut t, &format!("{pre}model.norm"), s.hidden);
+        self.quantized(&mut t, &format!("{pre}lm_head"), &[], s.vocab, s.hidden, self.bits, 1.0);
         t
     }
 }
@@ -375,11 +565,20 @@ fn resolve(a: &SynthArgs, extra: u64) -> Result<Plan> {
     }
     let mut plan = Plan { s, bits: a.bits, group };
     if let Some(target) = a.size {
-        let per_layer = total_bytes(&plan.layer_tensors(0));
-        plan.s.layers = 1;
-        let fixed = total_bytes(&plan.tensors()) - per_layer + extra;
-        let layers = (target.saturating_sub(fixed) as f64 / per_layer as f64).round() as usize;
-        plan.s.layers = layers.max(1);
+        // Whole repeats of the layer pattern (3 linear + 1 full attention for the hybrids) when at least one
+        // fits, so the mix of layer kinds stays the model's.
+        let period = plan.s.period();
+        plan.s.layers = period;
+        let per_period: u64 = (0..period).map(|l| total_bytes(&plan.layer_tensors(l))).sum();
+        plan.s.layers = 0;
+        let fixed = total_bytes(&plan.tensors()) + extra;
+        let room = target.saturating_sub(fixed) as f64;
+        let layers = (room / (per_period as f64 / period as f64)).round() as usize;
+        plan.s.layers = if layers >= period {
+            (room / per_period as f64).round() as usize * period
+        } else {
+            layers.max(1)
+        };
     }
     Ok(plan)
 }
@@ -495,6 +694,10 @@ fn config(p: &Plan) -> Value {
     let mut quant = json!({"group_size": p.group, "bits": p.bits, "mode": "affine"});
     for l in 0..s.layers {
         quant[format!("{}.gate", s.moe_prefix(l))] = json!({"group_size": p.group, "bits": GATE_BITS});
+        if s.hybrid.is_some() {
+            quant[format!("{}.shared_expert_gate", s.moe_prefix(l))] =
+                json!({"group_size": p.group, "bits": GATE_BITS});
+        }
     }
     let mut c = json!({
         "model_type": s.model_type,
@@ -517,7 +720,42 @@ fn config(p: &Plan) -> Value {
         "quantization": quant.clone(),
         "quantization_config": quant,
     });
-    if s.model_type == "mixtral" {
+    if let Some(hy) = s.hybrid {
+        c["num_experts"] = json!(s.experts);
+        c["moe_intermediate_size"] = json!(s.moe_inter);
+        c["shared_expert_intermediate_size"] = json!(hy.shared_inter);
+        c["linear_num_key_heads"] = json!(hy.k_heads);
+        c["linear_num_value_heads"] = json!(hy.v_heads);
+        c["linear_key_head_dim"] = json!(hy.k_dim);
+        c["linear_value_head_dim"] = json!(hy.v_dim);
+        c["linear_conv_kernel_dim"] = json!(4);
+        c["full_attention_interval"] = json!(hy.interval);
+        c["partial_rotary_factor"] = json!(0.25);
+        c["rope_theta"] = json!(hy.rope_theta);
+        c["norm_topk_prob"] = json!(true);
+        c["decoder_sparse_step"] = json!(1);
+        c["mlp_only_layers"] = json!([]);
+        c["intermediate_size"] = json!(s.hidden * 3);
+        if s.model_type == "qwen3_5_moe" {
+            // VLM-style: the text model's fields under `text_config`, quantization at the top.
+            c["model_type"] = json!("qwen3_5_moe_text");
+            let quant = c["quantization"].take();
+            if let Value::Object(text) = &mut c {
+                text.remove("quantization");
+                text.remove("quantization_config");
+            }
+            return json!({
+                "model_type": "qwen3_5_moe",
+                "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                "text_config": c,
+                "tie_word_embeddings": false,
+                "eos_token_id": EOS_ID,
+                "quantization": quant.clone(),
+                "quantization_config": quant,
+            });
+        }
+        c["architectures"] = json!(["Qwen3NextForCausalLM"]);
+    } else if s.model_type == "mixtral" {
         c["architectures"] = json!(["MixtralForCausalLM"]);
         c["num_local_experts"] = json!(s.experts);
         c["intermediate_size"] = json!(s.moe_inter);

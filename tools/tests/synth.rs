@@ -118,6 +118,33 @@ fn synthesized_models_load_and_generate() {
                 "1M",
             ][..],
         ),
+        // The hybrids: Gated DeltaNet + gated attention + shared expert; Qwen3.5 is VLM-style.
+        (
+            "qwen3.5-122b-a10b",
+            &[
+                "--layers",
+                "4",
+                "--experts",
+                "4",
+                "--hidden",
+                "256",
+                "--moe-inter",
+                "128",
+            ][..],
+        ),
+        (
+            "qwen3-next-80b-a3b",
+            &[
+                "--layers",
+                "4",
+                "--experts",
+                "4",
+                "--hidden",
+                "256",
+                "--moe-inter",
+                "128",
+            ][..],
+        ),
     ] {
         let out = tmp.path().join(shape);
         let o = out.to_str().unwrap();
@@ -125,9 +152,23 @@ fn synthesized_models_load_and_generate() {
         args.extend_from_slice(extra);
         ok(&args);
         let names = check_shards(&out);
-        let config: Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+        let full: Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+        let (config, pre) = match full.get("text_config") {
+            Some(t) => (t.clone(), "language_model."),
+            None => (full.clone(), ""),
+        };
         assert_eq!(config["vocab_size"], 512);
-        let moe = if shape == "mixtral-8x7b" {
+        let moe = if shape.starts_with("qwen3.5") || shape.starts_with("qwen3-next") {
+            assert_eq!(pre.is_empty(), shape.starts_with("qwen3-next"), "{shape}: VLM nesting");
+            assert_eq!(config["num_experts"], 4);
+            for n in ["layers.0.linear_attn.conv1d.weight", "layers.3.self_attn.q_norm.weight"] {
+                assert!(names.contains(&format!("{pre}model.{n}")), "{shape}: {n} in {names:?}");
+            }
+            let gate = format!("{pre}model.layers.0.mlp.shared_expert_gate");
+            assert_eq!(full["quantization"][gate]["bits"], 8);
+            assert!(names.contains(&format!("{pre}model.layers.1.mlp.shared_expert.down_proj.scales")));
+            "mlp"
+        } else if shape == "mixtral-8x7b" {
             assert_eq!(config["num_local_experts"], 8);
             "block_sparse_moe"
         } else {
@@ -137,10 +178,13 @@ fn synthesized_models_load_and_generate() {
             "mlp"
         };
         assert!(
-            names.contains(&format!("model.layers.0.{moe}.switch_mlp.down_proj.scales")),
+            names.contains(&format!("{pre}model.layers.0.{moe}.switch_mlp.down_proj.scales")),
             "{names:?}"
         );
-        assert_eq!(config["quantization"][format!("model.layers.0.{moe}.gate")]["bits"], 8);
+        assert_eq!(
+            full["quantization"][format!("{pre}model.layers.0.{moe}.gate")]["bits"],
+            8
+        );
         if shape == "mixtral-8x7b" {
             assert!(std::fs::read_dir(&out).unwrap().count() > 8, "expected several shards");
         }
