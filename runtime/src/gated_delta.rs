@@ -5,12 +5,15 @@
 //! are batched over the prompt). The recurrent work is `O(v_heads · Dv · Dk)` per token, small beside the
 //! projections, and is spread over the v-heads in parallel.
 
+use std::time::Instant;
+
 use rayon::prelude::*;
 
 use crate::cpu::Isa;
 use crate::error::Result;
 use crate::linear::Linear;
 use crate::ops::{self, LayerKv};
+use crate::profile::{Part, StepProfile};
 use crate::weights::Weights;
 
 /// Head counts and widths of a Gated DeltaNet layer (config `linear_*` fields).
@@ -210,10 +213,15 @@ impl GatedDeltaNet {
     }
 
     /// `[n, hidden]` normalized input → `[n, hidden]` mixer output; reads and advances the layer's state.
-    pub fn forward(&self, isa: Isa, x: &[f32], n: usize, cache: &mut LayerKv) -> Vec<f32> {
+    /// Time goes to `profile` as projections ([`Part::LinearAttention`]) and the rest
+    /// ([`Part::DeltaRecurrence`]).
+    pub fn forward(&self, isa: Isa, x: &[f32], n: usize, cache: &mut LayerKv, profile: &StepProfile) -> Vec<f32> {
         let s = self.shape;
         let (c, kd, vd, dk, dv) = (s.conv_dim(), s.key_dim(), s.value_dim(), s.k_dim, s.v_dim);
+        let start = Instant::now();
         let p = self.project(isa, x, n);
+        let core = Instant::now();
+        profile.add(Part::LinearAttention, core - start);
         let mut u = self.conv(&p.qkv, n, cache);
         // q = l2norm(q)/√Dk, k = l2norm(k), as mlx-lm does it: an RMSNorm with eps 1e-6/Dk, scaled.
         let inv = 1.0 / (dk as f32).sqrt();
@@ -277,7 +285,11 @@ impl GatedDeltaNet {
                 dst.iter_mut().zip(z).for_each(|(d, &z)| *d *= silu(z));
             }
         }
-        self.out.forward(isa, &o, n)
+        let out_start = Instant::now();
+        profile.add(Part::DeltaRecurrence, out_start - core);
+        let y = self.out.forward(isa, &o, n);
+        profile.add(Part::LinearAttention, out_start.elapsed());
+        y
     }
 }
 

@@ -121,10 +121,16 @@ pub enum Mixer {
 }
 
 impl Mixer {
-    fn forward(&self, isa: Isa, x: &[f32], n: usize, cache: &mut LayerKv) -> Vec<f32> {
+    /// Runs the mixer, timing it into `profile`.
+    fn forward(&self, isa: Isa, x: &[f32], n: usize, cache: &mut LayerKv, profile: &StepProfile) -> Vec<f32> {
         match self {
-            Mixer::Attention(a) => a.forward(isa, x, n, cache),
-            Mixer::Linear(l) => l.forward(isa, x, n, cache),
+            Mixer::Attention(a) => {
+                let start = Instant::now();
+                let y = a.forward(isa, x, n, cache);
+                profile.add(Part::FullAttention, start.elapsed());
+                y
+            }
+            Mixer::Linear(l) => l.forward(isa, x, n, cache, profile),
         }
     }
 }
@@ -550,6 +556,7 @@ impl DecoderModel {
                 self.info.num_experts
             )));
         }
+        let embed_start = Instant::now();
         let mut x = vec![0f32; n * h];
         for (t, &id) in tokens.iter().enumerate() {
             if id as usize >= self.info.vocab_size {
@@ -560,17 +567,12 @@ impl DecoderModel {
             }
             self.embed.mat().row(isa, id as usize, &mut x[t * h..(t + 1) * h]);
         }
+        self.profile.add(Part::Head, embed_start.elapsed());
         for (i, layer) in self.layers.iter().enumerate() {
             let kv = &mut cache.layers[i];
             let mut a = x.clone();
             ops::rms_norm(&mut a, &layer.input_norm, self.eps);
-            let start = Instant::now();
-            let a = layer.mixer.forward(isa, &a, n, kv);
-            let part = match layer.mixer {
-                Mixer::Attention(_) => Part::FullAttention,
-                Mixer::Linear(_) => Part::LinearAttention,
-            };
-            self.profile.add(part, start.elapsed());
+            let a = layer.mixer.forward(isa, &a, n, kv, &self.profile);
             x.iter_mut().zip(&a).for_each(|(x, a)| *x += a);
             let mut b = x.clone();
             ops::rms_norm(&mut b, &layer.post_norm, self.eps);
@@ -594,6 +596,7 @@ impl DecoderModel {
             x.iter_mut().zip(&f).for_each(|(x, f)| *x += f);
         }
         cache.len += n;
+        let head_start = Instant::now();
         let rows = if opts.all_logits {
             &mut x[..]
         } else {
@@ -601,7 +604,9 @@ impl DecoderModel {
         };
         ops::rms_norm(rows, &self.norm, self.eps);
         let m = rows.len() / h;
-        Ok(self.lm_head.forward(isa, rows, m))
+        let logits = self.lm_head.forward(isa, rows, m);
+        self.profile.add(Part::Head, head_start.elapsed());
+        Ok(logits)
     }
 }
 

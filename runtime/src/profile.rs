@@ -8,34 +8,42 @@ use std::time::Duration;
 pub enum Part {
     /// Softmax attention layers (projections, RoPE, attention, output).
     FullAttention,
-    /// Gated DeltaNet layers (projections, conv, recurrence, gated norm, output).
+    /// Gated DeltaNet layers' projections (in and out).
     LinearAttention,
+    /// Gated DeltaNet layers' causal conv, delta-rule recurrence and gated norm.
+    DeltaRecurrence,
     /// Router, routed experts and the wait for their records.
     RoutedExperts,
     /// The shared expert and its gate.
     SharedExpert,
     /// Dense MLP layers.
     DenseMlp,
+    /// Embedding lookup, final norm and output head.
+    Head,
 }
 
 impl Part {
     /// Every part, in report order.
-    pub const ALL: [Part; 5] = [
+    pub const ALL: [Part; 7] = [
         Part::FullAttention,
         Part::LinearAttention,
+        Part::DeltaRecurrence,
         Part::RoutedExperts,
         Part::SharedExpert,
         Part::DenseMlp,
+        Part::Head,
     ];
 
     /// Short name for reports and JSON.
     pub fn name(self) -> &'static str {
         match self {
             Part::FullAttention => "full_attention",
-            Part::LinearAttention => "linear_attention",
+            Part::LinearAttention => "linear_attention_proj",
+            Part::DeltaRecurrence => "delta_recurrence",
             Part::RoutedExperts => "routed_experts",
             Part::SharedExpert => "shared_expert",
             Part::DenseMlp => "dense_mlp",
+            Part::Head => "head",
         }
     }
 }
@@ -43,7 +51,7 @@ impl Part {
 /// Accumulated wall time per [`Part`].
 #[derive(Debug, Default)]
 pub struct StepProfile {
-    nanos: [AtomicU64; 5],
+    nanos: [AtomicU64; Part::ALL.len()],
 }
 
 impl StepProfile {
