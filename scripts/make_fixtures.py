@@ -223,16 +223,33 @@ def base_configs():
         "eos_token_id": 2,
         "torch_dtype": "bfloat16",
     }
+    # Dense Qwen3.5 (Qwen3.5-27B's layout): the same hybrid stack with a SwiGLU MLP in every layer.
+    qwen35_dense_text = {
+        k: v
+        for k, v in qwen35_text.items()
+        if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+    }
+    qwen35_dense_text.update({"model_type": "qwen3_5_text", "intermediate_size": 192, "tie_word_embeddings": True})
+    qwen35_dense = dict(qwen35)
+    qwen35_dense.update(
+        {
+            "model_type": "qwen3_5",
+            "architectures": ["Qwen3_5ForConditionalGeneration"],
+            "text_config": qwen35_dense_text,
+            "tie_word_embeddings": True,
+        }
+    )
     return {
         "qwen3_moe": qwen,
         "qwen3_moe_tied": qwen_tied,
         "mixtral": mixtral,
         "qwen3_5_moe": qwen35,
         "qwen3_next": qwen3_next,
+        "qwen3_5": qwen35_dense,
     }
 
 
-HYBRID = {"qwen3_5_moe", "qwen3_next"}
+HYBRID = {"qwen3_5_moe", "qwen3_next", "qwen3_5"}
 
 
 # (suffix, convert kwargs). Every quantized fixture of every architecture; bf16 is unquantized.
@@ -254,6 +271,7 @@ PLAN = {
     "mixtral": ["q4g64", "q8g32", "q6g64", "mixed36", "bf16"],
     "qwen3_5_moe": ["q4g64", "q8g32", "q3g32", "bf16"],
     "qwen3_next": ["q4g64", "q8g32", "bf16"],
+    "qwen3_5": ["q4g64"],
 }
 
 

@@ -43,6 +43,9 @@ const FIXTURES: &[&str] = &[
     "qwen3_moe-q4g64-overrides-vlm-sharded",
     "qwen3_moe_tied-q8g32",
     "mixtral-q8g32",
+    "qwen3_5_moe-q4g64",
+    "qwen3_5_moe-hf-bf16",
+    "qwen3_next-q4g64",
 ];
 
 #[test]
@@ -83,19 +86,82 @@ fn generate_reproduces_mlx_lm_greedy_tokens_and_streams_their_text() {
 
 #[test]
 fn chunked_prefill_gives_the_same_tokens() {
-    let dir = fixture("qwen3_moe-q4g64");
-    let g = golden(&dir);
-    let p = Pipeline::load(&dir).unwrap();
-    for chunk in [1, 5, 37] {
-        let params = GenerateParams {
-            max_tokens: 8,
-            ignore_eos: true,
-            prefill_chunk: chunk,
-            ..Default::default()
-        };
-        let (_, stats) = run(&p, &Prompt::Raw(g.prompt.clone()), &params);
-        assert_eq!(stats.tokens, g.greedy[..8], "prefill chunk {chunk}");
+    // Hybrids carry conv and recurrent state across chunk boundaries.
+    for name in ["qwen3_moe-q4g64", "qwen3_5_moe-q4g64", "qwen3_next-q4g64"] {
+        let dir = fixture(name);
+        let g = golden(&dir);
+        let p = Pipeline::load(&dir).unwrap();
+        for chunk in [1, 2, 5, 37] {
+            let params = GenerateParams {
+                max_tokens: 8,
+                ignore_eos: true,
+                prefill_chunk: chunk,
+                ..Default::default()
+            };
+            let (_, stats) = run(&p, &Prompt::Raw(g.prompt.clone()), &params);
+            assert_eq!(stats.tokens, g.greedy[..8], "{name}: prefill chunk {chunk}");
+        }
     }
+}
+
+/// A copy of `name` with its config.json edited by `edit`, loaded; returns the error text.
+fn load_error_with(name: &str, edit: impl Fn(&mut serde_json::Value), drop_tensor: Option<&str>) -> String {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = fixture(name);
+    for e in std::fs::read_dir(&src).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), tmp.path().join(e.file_name())).unwrap();
+    }
+    let path = tmp.path().join("config.json");
+    let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut c);
+    std::fs::write(&path, c.to_string()).unwrap();
+    if let Some(t) = drop_tensor {
+        // Rename the tensor in the header (same length, so the file stays valid).
+        let f = tmp.path().join("model.safetensors");
+        let mut bytes = std::fs::read(&f).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header = String::from_utf8(bytes[8..8 + n].to_vec()).unwrap();
+        let renamed = header.replace(t, &"x".repeat(t.len()));
+        assert_ne!(header, renamed, "{t} not found");
+        bytes[8..8 + n].copy_from_slice(renamed.as_bytes());
+        std::fs::write(&f, bytes).unwrap();
+    }
+    match Pipeline::load(tmp.path()) {
+        Ok(_) => panic!("{name}: loaded despite the damage"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn broken_hybrid_checkpoints_are_clear_errors() {
+    let e = load_error_with(
+        "qwen3_5_moe-q4g64",
+        |c| c["text_config"]["layer_types"] = serde_json::json!(["linear_attention", "full_attention"]),
+        None,
+    );
+    assert!(e.contains("layer_types") && e.contains("config.json"), "{e}");
+    let e = load_error_with(
+        "qwen3_next-q4g64",
+        |c| c["linear_num_value_heads"] = serde_json::json!(3),
+        None,
+    );
+    assert!(e.contains("linear_num_value_heads"), "{e}");
+    let e = load_error_with(
+        "qwen3_next-q4g64",
+        |c| c["partial_rotary_factor"] = serde_json::json!(0.0),
+        None,
+    );
+    assert!(e.contains("partial_rotary_factor"), "{e}");
+    // Shapes disagreeing with the config name the tensor.
+    let e = load_error_with(
+        "qwen3_next-q4g64",
+        |c| c["linear_key_head_dim"] = serde_json::json!(16),
+        None,
+    );
+    assert!(e.contains("linear_attn"), "{e}");
+    let e = load_error_with("qwen3_5_moe-q4g64", |_| {}, Some("layers.1.linear_attn.conv1d.weight"));
+    assert!(e.contains("layers.1.linear_attn.conv1d.weight"), "{e}");
 }
 
 #[test]

@@ -28,6 +28,8 @@ const REGISTRY: &[(&str, Loader)] = &[
     ("qwen3_next", qwen3_next::load),
     ("qwen3_5_moe", qwen3_next::load),
     ("qwen3_5_moe_text", qwen3_next::load),
+    ("qwen3_5", qwen3_next::load),
+    ("qwen3_5_text", qwen3_next::load),
 ];
 
 /// The `model_type`s this build can load.
