@@ -75,8 +75,10 @@ struct RunReport {
     effective_queue_depth: f64,
     prefetch_accuracy: f64,
     prefetch_wasted_bytes: u64,
+    /// Where prefill time went, as shares of it (as `decode_split`).
+    prefill_split: Vec<(String, f64)>,
     /// Where decode time went, as shares of it: each layer part (routed experts without their I/O wait),
-    /// `io_wait` (waiting for expert records) and `other` (embedding, norms, output head).
+    /// `io_wait` (waiting for expert records) and `other` (residual adds, layer norms).
     decode_split: Vec<(String, f64)>,
     decode_counters: Option<CounterSnapshot>,
 }
@@ -214,11 +216,19 @@ fn measure(m: &DecoderModel, name: &str, tokens: &[u32], prompt: usize, top_k: u
     };
     let counters = m.expert_counters();
     let mut cache = m.new_cache();
+    let snap = || counters.as_ref().map(|c| c.snapshot()).unwrap_or_default();
+    let (prefill_counters, prefill_parts) = (snap(), m.profile.snapshot());
     let t0 = Instant::now();
     for chunk in tokens[..prompt].chunks(512) {
         m.forward(chunk, &mut cache, &opts)?;
     }
     let prefill = t0.elapsed();
+    let prefill_split = time_split(
+        m,
+        &prefill_parts,
+        snap().since(&prefill_counters).io_wait_seconds,
+        prefill.as_secs_f64(),
+    );
     let before = counters.as_ref().map(|c| c.snapshot());
     let parts_before = m.profile.snapshot();
     let t1 = Instant::now();
@@ -226,31 +236,12 @@ fn measure(m: &DecoderModel, name: &str, tokens: &[u32], prompt: usize, top_k: u
         m.forward(&[t], &mut cache, &opts)?;
     }
     let decode = t1.elapsed();
-    let parts: Vec<(Part, f64)> = m
-        .profile
-        .snapshot()
-        .into_iter()
-        .zip(parts_before)
-        .map(|((p, after), (_, before))| (p, after - before))
-        .collect();
     let gen = tokens.len() - prompt;
     let d = counters.map(|c| c.snapshot().since(&before.unwrap_or_default()));
     let z = CounterSnapshot::default();
     let c = d.as_ref().unwrap_or(&z);
     let secs = decode.as_secs_f64();
-    let mut decode_split = Vec::new();
-    let mut accounted = 0.0;
-    for (p, t) in parts {
-        let t = if p == Part::RoutedExperts {
-            t - c.io_wait_seconds
-        } else {
-            t
-        };
-        accounted += t;
-        decode_split.push((p.name().to_string(), t / secs));
-    }
-    decode_split.push(("io_wait".into(), c.io_wait_seconds / secs));
-    decode_split.push(("other".into(), (secs - accounted - c.io_wait_seconds).max(0.0) / secs));
+    let decode_split = time_split(m, &parts_before, c.io_wait_seconds, secs);
     Ok(RunReport {
         run: name.into(),
         prompt_tokens: prompt,
@@ -271,9 +262,25 @@ fn measure(m: &DecoderModel, name: &str, tokens: &[u32], prompt: usize, top_k: u
         effective_queue_depth: c.effective_queue_depth(),
         prefetch_accuracy: c.prefetch_accuracy(),
         prefetch_wasted_bytes: c.prefetch_wasted_bytes,
+        prefill_split,
         decode_split,
         decode_counters: d,
     })
+}
+
+/// Shares of `secs` per layer part since `before`, with the I/O wait taken out of the routed experts' time
+/// and the unaccounted rest as `other`.
+fn time_split(m: &DecoderModel, before: &[(Part, f64)], io_wait: f64, secs: f64) -> Vec<(String, f64)> {
+    let mut split = Vec::new();
+    let mut accounted = 0.0;
+    for ((p, after), (_, before)) in m.profile.snapshot().into_iter().zip(before) {
+        let t = after - before - if p == Part::RoutedExperts { io_wait } else { 0.0 };
+        accounted += t;
+        split.push((p.name().to_string(), t / secs));
+    }
+    split.push(("io_wait".into(), io_wait / secs));
+    split.push(("other".into(), (secs - accounted - io_wait).max(0.0) / secs));
+    split
 }
 
 /// Bytes of one expert record (packed and padded, or the sum of its in-place parts) and the MoE layer count.
@@ -416,13 +423,14 @@ fn print_table(r: &Report) {
         );
     }
     for x in &r.runs {
-        let parts: Vec<String> = x
-            .decode_split
-            .iter()
-            .filter(|(_, share)| *share >= 0.0005)
-            .map(|(name, share)| format!("{} {:.1}%", name.replace('_', " "), 100.0 * share))
-            .collect();
-        println!("{} decode time: {}", x.run, parts.join(" | "));
+        for (what, split) in [("prefill", &x.prefill_split), ("decode", &x.decode_split)] {
+            let parts: Vec<String> = split
+                .iter()
+                .filter(|(_, share)| *share >= 0.0005)
+                .map(|(name, share)| format!("{} {:.1}%", name.replace('_', " "), 100.0 * share))
+                .collect();
+            println!("{} {what} time: {}", x.run, parts.join(" | "));
+        }
     }
     if let (Some(disk), Some(w)) = (r.disk_probe_gb_s, r.runs.first()) {
         if w.read_gb_s > 0.0 {
