@@ -350,6 +350,10 @@ impl MatRef<'_> {
             if let (MatRef::Quant(q), Some((k, acts))) = (self, ctx.acts) {
                 return q8_task(q, k, acts, &ctx, first, n, chunk);
             }
+            #[cfg(target_arch = "x86_64")]
+            if let (MatRef::Quant(q), Some((true, 4))) = (self, fused) {
+                return q4_block_task(q, &ctx, first, n, chunk);
+            }
             let mut codes = vec![0f32; scratch];
             for (i, out_row) in chunk.chunks_mut(n).enumerate() {
                 self.row_dot(&ctx, first + i, &mut codes, out_row);
@@ -434,6 +438,29 @@ impl MatRef<'_> {
 /// A task's rows (from `first`, `chunk` holds `[rows, n]` outputs) with the int8-activation kernel: the
 /// rows' scales and biases converted once, then all rows per token.
 #[cfg(target_arch = "x86_64")]
+/// The fused AVX-512 4-bit kernel over one task's rows, several rows and tokens per pass.
+#[cfg(target_arch = "x86_64")]
+fn q4_block_task(q: &QuantMatrix<'_>, c: &RowCtx<'_>, first: usize, n: usize, chunk: &mut [f32]) {
+    let gpr = q.cols / q.group;
+    let rows = chunk.len() / n;
+    let row_bytes = q.cols / 2;
+    let mut sb = vec![0f32; rows * 2 * gpr];
+    for (i, row) in sb.chunks_mut(2 * gpr).enumerate() {
+        let (s, b) = row.split_at_mut(gpr);
+        q.scale_type.to_f32(q.scales, (first + i) * gpr, s);
+        q.scale_type.to_f32(q.biases, (first + i) * gpr, b);
+    }
+    let block = x86::Q4Block {
+        packed: &q.packed[first * row_bytes..(first + rows) * row_bytes],
+        row_bytes,
+        sb: &sb,
+        xp: c.xp,
+        xsum: c.xsum,
+        group: q.group,
+    };
+    x86::fused_q4_block_avx512(&block, rows, n, chunk);
+}
+
 fn q8_task(
     q: &QuantMatrix<'_>,
     k: q8::Q8Kernel,

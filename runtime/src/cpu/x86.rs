@@ -214,6 +214,116 @@ unsafe fn fused_q4_avx512(a: &RowArgs<'_>) -> f32 {
     _mm512_reduce_add_ps(acc) + bias_term(a)
 }
 
+/// A run of rows of one 4-bit matrix against every token of a call, for [`fused_q4_block_avx512`].
+pub(super) struct Q4Block<'a> {
+    /// The rows' packed codes, `rows × row_bytes`.
+    pub packed: &'a [u8],
+    /// Bytes per packed row.
+    pub row_bytes: usize,
+    /// Per row, its scales then its biases as f32: `rows × 2·groups`.
+    pub sb: &'a [f32],
+    /// Activations permuted for the 4-bit lanes (see [`permute_for_q4`]), `[n, cols]`.
+    pub xp: &'a [f32],
+    /// Per-token group sums of `x`, `[n, groups]`.
+    pub xsum: &'a [f32],
+    /// Columns per group.
+    pub group: usize,
+}
+
+/// `out[r·n + t] = row r · token t` for `rows` rows and `n` tokens with the fused AVX-512 4-bit kernel, two rows
+/// and up to four tokens per pass: each chunk of codes is unpacked once and used for every token, and two rows'
+/// loads overlap. For each (row, token) the operations and their order are exactly [`fused_row`]'s, so the
+/// result is bit-identical to it whatever the blocking.
+pub(super) fn fused_q4_block_avx512(b: &Q4Block<'_>, rows: usize, n: usize, out: &mut [f32]) {
+    let cols = b.row_bytes * 2;
+    let groups = cols / b.group.max(1);
+    assert!(
+        b.group.is_multiple_of(32) && cols.is_multiple_of(b.group),
+        "groups of a multiple of 32"
+    );
+    assert!(
+        b.packed.len() >= rows * b.row_bytes && b.sb.len() >= rows * 2 * groups,
+        "row bounds"
+    );
+    assert!(
+        b.xp.len() >= n * cols && b.xsum.len() >= n * groups && out.len() >= rows * n,
+        "token bounds"
+    );
+    let mut r = 0;
+    while r < rows {
+        let two = rows - r >= 2;
+        let mut t = 0;
+        while t < n {
+            let tk = (n - t).min(4);
+            // SAFETY: AVX-512F was detected before `Isa::Avx512` was selected; the asserts bound every read:
+            // rows r..r+2 (or r+1) < rows, tokens t..t+tk ≤ n, codes cols/2 bytes per row, activations cols per
+            // token, scales/biases 2·groups per row. Prefetches past the end never fault.
+            unsafe {
+                match (two, tk) {
+                    (true, 4) => q4_block::<2, 4>(b, r, t, n, out),
+                    (true, 3) => q4_block::<2, 3>(b, r, t, n, out),
+                    (true, 2) => q4_block::<2, 2>(b, r, t, n, out),
+                    (true, _) => q4_block::<2, 1>(b, r, t, n, out),
+                    (false, 4) => q4_block::<1, 4>(b, r, t, n, out),
+                    (false, 3) => q4_block::<1, 3>(b, r, t, n, out),
+                    (false, 2) => q4_block::<1, 2>(b, r, t, n, out),
+                    (false, _) => q4_block::<1, 1>(b, r, t, n, out),
+                }
+            }
+            t += tk;
+        }
+        r += if two { 2 } else { 1 };
+    }
+}
+
+#[target_feature(enable = "avx512f")]
+unsafe fn q4_block<const R: usize, const T: usize>(b: &Q4Block<'_>, r0: usize, t0: usize, n: usize, out: &mut [f32]) {
+    let cols = b.row_bytes * 2;
+    let groups = cols / b.group;
+    let mask = _mm512_set1_epi32(0xf);
+    let pp: [*const u8; R] = std::array::from_fn(|i| b.packed.as_ptr().add((r0 + i) * b.row_bytes));
+    let xp: [*const f32; T] = std::array::from_fn(|j| b.xp.as_ptr().add((t0 + j) * cols));
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    for g in 0..groups {
+        let mut p0 = [[_mm512_setzero_ps(); T]; R];
+        let mut p1 = [[_mm512_setzero_ps(); T]; R];
+        for p in pp {
+            _mm_prefetch::<_MM_HINT_T0>(p.add(g * b.group / 2 + PREFETCH_AHEAD) as *const i8);
+        }
+        for off in (g * b.group..(g + 1) * b.group).step_by(32) {
+            for i in 0..R {
+                let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(pp[i].add(off / 2) as *const __m128i));
+                let lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, mask));
+                let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v));
+                for j in 0..T {
+                    p0[i][j] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xp[j].add(off)), p0[i][j]);
+                    p1[i][j] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp[j].add(off + 16)), p1[i][j]);
+                }
+            }
+        }
+        for i in 0..R {
+            let scale = _mm512_set1_ps(*b.sb.get_unchecked((r0 + i) * 2 * groups + g));
+            for j in 0..T {
+                acc[i][j] = _mm512_fmadd_ps(scale, _mm512_add_ps(p0[i][j], p1[i][j]), acc[i][j]);
+            }
+        }
+    }
+    for i in 0..R {
+        let sb = &b.sb[(r0 + i) * 2 * groups..(r0 + i + 1) * 2 * groups];
+        for j in 0..T {
+            let a = RowArgs {
+                packed: &[],
+                xp: &[],
+                xsum: &b.xsum[(t0 + j) * groups..(t0 + j + 1) * groups],
+                scales: &sb[..groups],
+                biases: &sb[groups..],
+                group: b.group,
+            };
+            out[(r0 + i) * n + t0 + j] = _mm512_reduce_add_ps(acc[i][j]) + bias_term(&a);
+        }
+    }
+}
+
 #[target_feature(enable = "avx512f")]
 unsafe fn fused_q8_avx512(a: &RowArgs<'_>) -> f32 {
     let (pp, xp) = (a.packed.as_ptr(), a.xp.as_ptr());
