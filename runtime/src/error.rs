@@ -52,6 +52,9 @@ pub enum ModelError {
     /// A bad request parameter.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The compute backend failed (e.g. an MLX error).
+    #[error("backend: {0}")]
+    Backend(String),
 }
 
 /// Result with [`ModelError`].

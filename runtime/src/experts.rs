@@ -55,6 +55,39 @@ pub struct ExpertOptions {
     pub verify: bool,
     /// Speculative reads during decode.
     pub prefetch: PrefetchMode,
+    /// Which implementation computes the forward pass.
+    pub backend: Backend,
+}
+
+/// The compute backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// sluice's own CPU kernels.
+    Cpu,
+    /// MLX through mlx-rs: Metal on macOS, MLX's CPU build on Linux (needs the `mlx` cargo feature).
+    Mlx,
+}
+
+impl Backend {
+    /// `mlx` on macOS when compiled in, `cpu` elsewhere.
+    pub fn default_for_build() -> Self {
+        if cfg!(all(feature = "mlx", target_os = "macos")) {
+            Backend::Mlx
+        } else {
+            Backend::Cpu
+        }
+    }
+}
+
+impl std::str::FromStr for Backend {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "cpu" => Ok(Self::Cpu),
+            "mlx" => Ok(Self::Mlx),
+            _ => Err(format!("unknown backend `{s}` (cpu, mlx)")),
+        }
+    }
 }
 
 impl Default for ExpertOptions {
@@ -66,6 +99,7 @@ impl Default for ExpertOptions {
             direct_io: false,
             verify: true,
             prefetch: PrefetchMode::None,
+            backend: Backend::default_for_build(),
         }
     }
 }
@@ -220,6 +254,7 @@ pub fn convert_model(dir: &Path, out: &Path, force: bool, progress: &dyn Fn(u64,
     let config = crate::config::ModelConfig::load(dir)?;
     let opts = ExpertOptions {
         mode: ExpertMode::Resident,
+        backend: Backend::Cpu,
         ..ExpertOptions::default()
     };
     let model = crate::models::load_model_with(dir, config, &opts)?;

@@ -51,7 +51,7 @@ impl DeltaShape {
 }
 
 /// The input projections, in either checkpoint layout.
-enum InProj {
+pub(crate) enum InProj {
     /// Qwen3.5: `in_proj_qkv` (`[q | k | v]` over all heads), `in_proj_z`, `in_proj_b`, `in_proj_a`.
     Split {
         qkv: Linear,
@@ -66,17 +66,17 @@ enum InProj {
 
 /// One Gated DeltaNet token mixer.
 pub struct GatedDeltaNet {
-    proj: InProj,
+    pub(crate) proj: InProj,
     /// Depthwise conv taps `[conv_dim, kernel]`; tap `kernel − 1` multiplies the current token.
-    conv: Vec<f32>,
+    pub(crate) conv: Vec<f32>,
     /// `exp(A_log)` per v-head.
-    decay_rate: Vec<f32>,
-    dt_bias: Vec<f32>,
+    pub(crate) decay_rate: Vec<f32>,
+    pub(crate) dt_bias: Vec<f32>,
     /// Gated RMSNorm weight over `Dv` (plain `w`, never `1 + w`).
-    norm: Vec<f32>,
-    out: Linear,
-    shape: DeltaShape,
-    eps: f32,
+    pub(crate) norm: Vec<f32>,
+    pub(crate) out: Linear,
+    pub(crate) shape: DeltaShape,
+    pub(crate) eps: f32,
 }
 
 /// The per-token inputs of the recurrence after projection.

@@ -36,15 +36,15 @@ pub struct AttnSpec {
 
 /// Grouped-query self-attention with optional per-head q/k RMSNorm (before RoPE) and output gate.
 pub struct Attention {
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-    qk_norm: Option<(Vec<f32>, Vec<f32>)>,
-    output_gate: bool,
-    shape: AttnShape,
-    rope: Rope,
-    eps: f32,
+    pub(crate) q: Linear,
+    pub(crate) k: Linear,
+    pub(crate) v: Linear,
+    pub(crate) o: Linear,
+    pub(crate) qk_norm: Option<(Vec<f32>, Vec<f32>)>,
+    pub(crate) output_gate: bool,
+    pub(crate) shape: AttnShape,
+    pub(crate) rope: Rope,
+    pub(crate) eps: f32,
 }
 
 impl Attention {
@@ -141,9 +141,9 @@ fn cache_len(cache: &LayerKv, s: &AttnShape) -> usize {
 
 /// A dense SwiGLU MLP: `down(silu(gate x) ⊙ up x)`.
 pub struct Mlp {
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+    pub(crate) gate: Linear,
+    pub(crate) up: Linear,
+    pub(crate) down: Linear,
 }
 
 impl Mlp {
@@ -487,6 +487,9 @@ pub struct DecoderModel {
     pub expert_stacks: Vec<expert_store::StackedExperts>,
     /// Where forward time goes, accumulated over every call.
     pub profile: StepProfile,
+    /// The mlx backend's copy of the weights, when it computes instead of the cpu backend.
+    #[cfg(feature = "mlx")]
+    pub(crate) mlx: Option<Box<crate::mlx::MlxModel>>,
 }
 
 impl DecoderModel {
@@ -536,9 +539,10 @@ impl DecoderModel {
         (!experts.is_empty()).then_some((moe.layer, experts))
     }
 
-    /// Runs `tokens` after the cached positions; returns logits `[m, vocab]`, m = tokens or 1.
-    pub fn forward(&self, tokens: &[u32], cache: &mut KvCache, opts: &ForwardOptions) -> Result<Vec<f32>> {
-        let (n, h, isa) = (tokens.len(), self.hidden, Isa::detect());
+    /// Rejects a forward call the model cannot run (no tokens, past the context, bad top-k, token ids outside
+    /// the vocabulary); returns the experts per token to use.
+    pub(crate) fn check_forward(&self, tokens: &[u32], cache: &KvCache, opts: &ForwardOptions) -> Result<usize> {
+        let n = tokens.len();
         if n == 0 {
             return Err(ModelError::InvalidArgument("forward called with no tokens".into()));
         }
@@ -556,15 +560,28 @@ impl DecoderModel {
                 self.info.num_experts
             )));
         }
-        let embed_start = Instant::now();
-        let mut x = vec![0f32; n * h];
-        for (t, &id) in tokens.iter().enumerate() {
+        for &id in tokens {
             if id as usize >= self.info.vocab_size {
                 return Err(ModelError::Limit(format!(
                     "token id {id} is outside the vocabulary of {}",
                     self.info.vocab_size
                 )));
             }
+        }
+        Ok(k)
+    }
+
+    /// Runs `tokens` after the cached positions; returns logits `[m, vocab]`, m = tokens or 1.
+    pub fn forward(&self, tokens: &[u32], cache: &mut KvCache, opts: &ForwardOptions) -> Result<Vec<f32>> {
+        #[cfg(feature = "mlx")]
+        if let Some(m) = &self.mlx {
+            return m.forward(self, tokens, cache, opts);
+        }
+        let (n, h, isa) = (tokens.len(), self.hidden, Isa::detect());
+        let k = self.check_forward(tokens, cache, opts)?;
+        let embed_start = Instant::now();
+        let mut x = vec![0f32; n * h];
+        for (t, &id) in tokens.iter().enumerate() {
             self.embed.mat().row(isa, id as usize, &mut x[t * h..(t + 1) * h]);
         }
         self.profile.add(Part::Head, embed_start.elapsed());

@@ -10,6 +10,8 @@ pub mod gated_delta;
 pub mod generate;
 pub mod layers;
 pub mod linear;
+#[cfg(feature = "mlx")]
+pub mod mlx;
 pub mod models;
 pub mod ops;
 pub mod profile;
@@ -19,7 +21,7 @@ pub mod text;
 pub mod weights;
 
 pub use error::{ModelError, Result};
-pub use experts::{convert_model, parse_size, ExpertMode, ExpertOptions};
+pub use experts::{convert_model, parse_size, Backend, ExpertMode, ExpertOptions};
 pub use generate::{FinishReason, GenerateParams, GenerationStats, Pipeline, Prompt};
 pub use layers::{DecoderModel, ForwardOptions, ModelInfo, PrefetchMode, RouterKind};
 pub use models::{load_model, load_model_with, supported_model_types};

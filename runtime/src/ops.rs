@@ -49,13 +49,13 @@ pub fn top_k(x: &[f32], k: usize) -> Vec<usize> {
 /// Rotary position embedding over the first `dims` of each head.
 #[derive(Debug, Clone)]
 pub struct Rope {
-    inv_freq: Vec<f64>,
+    pub(crate) inv_freq: Vec<f64>,
     /// Rotated dimensions per head.
-    dims: usize,
+    pub(crate) dims: usize,
     /// Pairs `(2i, 2i+1)` instead of `(i, i + dims/2)`.
-    traditional: bool,
+    pub(crate) traditional: bool,
     /// YaRN magnitude scale applied to the rotated part.
-    mscale: f32,
+    pub(crate) mscale: f32,
 }
 
 impl Rope {
@@ -160,6 +160,9 @@ pub struct KvCache {
     pub len: usize,
     /// Per layer, the experts the last token was routed to (the prev-token prefetch prediction).
     pub last_experts: Vec<Vec<usize>>,
+    /// The mlx backend's per-layer state (MLX arrays), when that backend runs this sequence.
+    #[cfg(feature = "mlx")]
+    pub(crate) mlx: Option<crate::mlx::MlxCache>,
 }
 
 /// A snapshot of a [`KvCache`] at one position: KV lengths (KV caches roll back by truncation) and full
@@ -170,6 +173,8 @@ pub struct CacheCheckpoint {
     kv_lens: Vec<usize>,
     recurrent: Vec<(Vec<f32>, Vec<f32>)>,
     last_experts: Vec<Vec<usize>>,
+    #[cfg(feature = "mlx")]
+    mlx: Option<crate::mlx::MlxCache>,
 }
 
 impl CacheCheckpoint {
@@ -196,6 +201,8 @@ impl KvCache {
             layers: vec![LayerKv::default(); layers],
             len: 0,
             last_experts: vec![Vec::new(); layers],
+            #[cfg(feature = "mlx")]
+            mlx: None,
         }
     }
 
@@ -206,6 +213,9 @@ impl KvCache {
             kv_lens: self.layers.iter().map(|l| l.k.len()).collect(),
             recurrent: self.layers.iter().map(|l| (l.conv.clone(), l.ssm.clone())).collect(),
             last_experts: self.last_experts.clone(),
+            // MLX arrays are immutable values: a clone shares them, and later steps make new ones.
+            #[cfg(feature = "mlx")]
+            mlx: self.mlx.clone(),
         }
     }
 
@@ -230,6 +240,10 @@ impl KvCache {
             l.ssm.clone_from(ssm);
         }
         self.last_experts.clone_from(&cp.last_experts);
+        #[cfg(feature = "mlx")]
+        {
+            self.mlx.clone_from(&cp.mlx);
+        }
         self.len = cp.len;
         Ok(())
     }

@@ -67,6 +67,7 @@ fn stream(cache_bytes: u64, io_depth: usize, prefetch: PrefetchMode, direct_io: 
         direct_io,
         verify: true,
         prefetch,
+        ..ExpertOptions::default()
     }
 }
 

@@ -6,7 +6,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use expert_store::PackedStore;
 use indicatif::{ProgressBar, ProgressStyle};
-use sluice_runtime::{convert_model, ExpertMode, ExpertOptions, PrefetchMode};
+use sluice_runtime::{convert_model, Backend, ExpertMode, ExpertOptions, PrefetchMode};
 
 /// Flags that choose how experts are served (generate, bench, serve).
 #[derive(Args, Clone, Debug)]
@@ -35,6 +35,10 @@ pub struct EngineArgs {
     /// to int8 per 32 values for integer dot products, as llama.cpp does; faster, ~0.5% noise).
     #[arg(long, default_value = "exact", env = "SLUICE_KERNELS")]
     pub kernels: Kernels,
+    /// Compute backend: `cpu` (sluice's kernels) or `mlx` (MLX: Metal on macOS; needs a build with
+    /// `--features mlx`). Default: mlx on macOS when compiled in, else cpu.
+    #[arg(long, env = "SLUICE_BACKEND")]
+    pub backend: Option<Backend>,
 }
 
 /// Matmul kernel family.
@@ -64,6 +68,7 @@ impl EngineArgs {
             direct_io: self.direct_io,
             verify: !self.no_verify,
             prefetch: self.prefetch,
+            backend: self.backend.unwrap_or_else(Backend::default_for_build),
         })
     }
 }

@@ -11,7 +11,7 @@ use expert_store::ExpertSource;
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::experts::{open_source, ExpertOptions, ModelLocation};
+use crate::experts::{open_source, Backend, ExpertOptions, ModelLocation};
 use crate::gated_delta::{DeltaShape, GatedDeltaNet};
 use crate::layers::{
     Attention, AttnSpec, DecoderLayer, DecoderModel, Ffn, Mixer, Mlp, ModelInfo, RouterKind, SharedExpert, SparseMoe,
@@ -68,7 +68,20 @@ pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &Expe
             message: "per-expert (Hugging Face) layout is not supported yet; convert with `mlx_lm.convert`".into(),
         });
     }
-    loader(&weights)
+    #[allow(unused_mut)]
+    let mut model = loader(&weights)?;
+    match opts.backend {
+        Backend::Cpu => {}
+        #[cfg(feature = "mlx")]
+        Backend::Mlx => model.mlx = Some(Box::new(crate::mlx::MlxModel::new(&model)?)),
+        #[cfg(not(feature = "mlx"))]
+        Backend::Mlx => {
+            return Err(ModelError::InvalidArgument(
+                "this build has no mlx backend: rebuild with `--features mlx` (see the README)".into(),
+            ))
+        }
+    }
+    Ok(model)
 }
 
 /// What sits in a layer's FFN slot.
@@ -262,5 +275,7 @@ pub(crate) fn build_decoder(w: &Weights, d: DecoderDims, plan: impl Fn(usize) ->
         prefetch: w.expert_opts.prefetch,
         expert_stacks: stacks,
         profile: Default::default(),
+        #[cfg(feature = "mlx")]
+        mlx: None,
     })
 }

@@ -1,0 +1,116 @@
+//! The mlx backend against the cpu backend on every fixture (f32 activations on both sides), and streamed
+//! against resident experts on mlx. Built only with `--features mlx` (see scripts/setup-mlx.sh); CI runs it as
+//! its own step of `.ci/run`.
+
+mod common;
+
+use common::fixtures;
+
+use std::path::Path;
+
+use sluice_runtime::config::ModelConfig;
+use sluice_runtime::sampling::argmax;
+use sluice_runtime::{load_model_with, Backend, DecoderModel, ExpertMode, ExpertOptions, ForwardOptions};
+
+#[derive(serde::Deserialize)]
+struct Golden {
+    prompt_ids: Vec<u32>,
+}
+
+fn load(dir: &Path, backend: Backend, mode: ExpertMode, cache_bytes: Option<u64>) -> DecoderModel {
+    let opts = ExpertOptions {
+        backend,
+        mode,
+        cache_bytes,
+        ..ExpertOptions::default()
+    };
+    load_model_with(dir, ModelConfig::load(dir).unwrap(), &opts).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+}
+
+/// Prefill logits at every position and the logits of `steps` greedy decode steps.
+fn trace(m: &DecoderModel, prompt: &[u32], steps: usize) -> (Vec<f32>, Vec<u32>, Vec<Vec<f32>>) {
+    let mut cache = m.new_cache();
+    let all = m
+        .forward(
+            prompt,
+            &mut cache,
+            &ForwardOptions {
+                all_logits: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    let v = m.info.vocab_size;
+    let mut logits = all[(prompt.len() - 1) * v..].to_vec();
+    let (mut tokens, mut steps_logits) = (Vec::new(), Vec::new());
+    for _ in 0..steps {
+        let t = argmax(&logits);
+        tokens.push(t);
+        logits = m.forward(&[t], &mut cache, &ForwardOptions::default()).unwrap();
+        steps_logits.push(logits.clone());
+    }
+    (all, tokens, steps_logits)
+}
+
+/// Tolerance: both backends compute in f32 from the same codes and scales; they differ in summation order,
+/// f32 vs f64 RoPE angles and MLX's own exp/rsqrt, so |mlx − cpu| ≤ 1e-3 + 1e-3·|cpu| per logit.
+fn assert_close(what: &str, got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let mut worst = 0f32;
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let err = (g - w).abs();
+        assert!(err <= 1e-3 + 1e-3 * w.abs(), "{what}[{i}]: mlx {g} vs cpu {w}");
+        worst = worst.max(err);
+    }
+    worst
+}
+
+#[test]
+fn mlx_matches_cpu_on_every_fixture() {
+    for dir in fixtures() {
+        let g: Golden = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        let cpu = trace(&load(&dir, Backend::Cpu, ExpertMode::Mmap, None), &g.prompt_ids, 16);
+        let mlx = trace(&load(&dir, Backend::Mlx, ExpertMode::Mmap, None), &g.prompt_ids, 16);
+        let mut worst = assert_close(&format!("{name} prefill"), &mlx.0, &cpu.0);
+        assert_eq!(mlx.1, cpu.1, "{name}: greedy tokens");
+        for (i, (a, b)) in mlx.2.iter().zip(&cpu.2).enumerate() {
+            worst = worst.max(assert_close(&format!("{name} step {i}"), a, b));
+        }
+        eprintln!("{name}: max |mlx − cpu| {worst:.2e}");
+    }
+}
+
+#[test]
+fn mlx_streamed_equals_resident_bit_for_bit() {
+    for dir in fixtures() {
+        let g: Golden = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+        let resident = load(&dir, Backend::Mlx, ExpertMode::Resident, None);
+        if resident.info.num_experts == 0 {
+            continue;
+        }
+        let want = trace(&resident, &g.prompt_ids, 5);
+        // A slot budget of a few records: experts are evicted and read again within a step.
+        let streamed = load(&dir, Backend::Mlx, ExpertMode::Stream, Some(96 << 10));
+        assert!(streamed.expert_slots().is_some());
+        let got = trace(&streamed, &g.prompt_ids, 5);
+        assert!(got == want, "{}: streamed differs from resident on mlx", dir.display());
+    }
+}
+
+#[test]
+fn mlx_checkpoints_restore_exactly() {
+    let dir = common::fixture("qwen3_5_moe-q4g64");
+    let m = load(&dir, Backend::Mlx, ExpertMode::Mmap, None);
+    let mut cache = m.new_cache();
+    let opts = ForwardOptions::default();
+    m.forward(&[5, 6, 7, 8], &mut cache, &opts).unwrap();
+    let cp = cache.checkpoint();
+    let a = m.forward(&[9], &mut cache, &opts).unwrap();
+    let b = m.forward(&[10], &mut cache, &opts).unwrap();
+    cache.restore(&cp).unwrap();
+    m.forward(&[11, 12], &mut cache, &opts).unwrap();
+    cache.restore(&cp).unwrap();
+    assert_eq!(m.forward(&[9], &mut cache, &opts).unwrap(), a);
+    assert_eq!(m.forward(&[10], &mut cache, &opts).unwrap(), b);
+}
