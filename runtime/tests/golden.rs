@@ -38,14 +38,7 @@ fn golden(dir: &Path) -> Golden {
 }
 
 fn assert_close(what: &str, got: &[f32], want: &[f32]) -> f32 {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let mut worst = 0f32;
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let err = (g - w).abs();
-        assert!(err <= 1e-3 + 1e-3 * w.abs(), "{what}[{i}]: ours {g} vs mlx-lm {w}");
-        worst = worst.max(err);
-    }
-    worst
+    common::assert_close(what, got, want, ("ours", "mlx-lm"))
 }
 
 #[test]

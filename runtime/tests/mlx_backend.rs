@@ -55,14 +55,7 @@ fn trace(m: &DecoderModel, prompt: &[u32], steps: usize) -> (Vec<f32>, Vec<u32>,
 /// Tolerance: both backends compute in f32 from the same codes and scales; they differ in summation order,
 /// f32 vs f64 RoPE angles and MLX's own exp/rsqrt, so |mlx − cpu| ≤ 1e-3 + 1e-3·|cpu| per logit.
 fn assert_close(what: &str, got: &[f32], want: &[f32]) -> f32 {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let mut worst = 0f32;
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let err = (g - w).abs();
-        assert!(err <= 1e-3 + 1e-3 * w.abs(), "{what}[{i}]: mlx {g} vs cpu {w}");
-        worst = worst.max(err);
-    }
-    worst
+    common::assert_close(what, got, want, ("mlx", "cpu"))
 }
 
 #[test]

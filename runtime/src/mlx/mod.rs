@@ -24,7 +24,7 @@ use crate::cpu::Isa;
 use crate::error::Result;
 use crate::gated_delta::{GatedDeltaNet, InProj};
 use crate::layers::{Attention, DecoderModel, Ffn, ForwardOptions, Mixer, Mlp, SparseMoe};
-use crate::linear::{Linear, WeightFormat};
+use crate::linear::Linear;
 use crate::ops::KvCache;
 
 use ops::{bad, f32s, scalar, MlxLinear};
@@ -550,26 +550,15 @@ fn expert_linears(moe: &SparseMoe, parts: &[OwnedBytes]) -> Result<[MlxLinear; 3
         )
     };
     Ok([
-        MlxLinear::upload(fg, inter, h, &gate_parts, None)?,
-        MlxLinear::upload(fu, inter, h, &up_parts, None)?,
-        MlxLinear::upload(fd, h, inter, &down_parts, None)?,
+        ops::upload_linear(fg, inter, h, &gate_parts, None)?,
+        ops::upload_linear(fu, inter, h, &up_parts, None)?,
+        ops::upload_linear(fd, h, inter, &down_parts, None)?,
     ])
 }
 
 impl MlxLinear {
     /// A resident [`Linear`] uploaded.
     fn resident(l: &Linear) -> Result<Self> {
-        Self::upload(l.format, l.rows, l.cols, &l.parts, l.bias.as_deref())
-    }
-
-    /// `[rows, cols]` stored as `format` in `parts`, plus an optional output bias.
-    fn upload(
-        format: WeightFormat,
-        rows: usize,
-        cols: usize,
-        parts: &[OwnedBytes],
-        bias: Option<&[f32]>,
-    ) -> Result<Self> {
-        ops::upload_linear(format, rows, cols, parts, bias)
+        ops::upload_linear(l.format, l.rows, l.cols, &l.parts, l.bias.as_deref())
     }
 }
