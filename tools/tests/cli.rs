@@ -259,4 +259,45 @@ fn bad_flags_are_rejected() {
     }
     let out = sluice(&["generate", "--model", dir.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(2), "clap usage error");
+    let err = fails(&dir, &["--backend", "gpu"]);
+    assert!(err.contains("unknown backend `gpu` (cpu, mlx)"), "{err}");
+}
+
+#[test]
+fn backend_flag_selects_cpu_and_explains_a_build_without_mlx() {
+    let dir = fixture("qwen3_moe-q4g64");
+    let d = dir.to_str().unwrap();
+    let out = sluice(&[
+        "generate",
+        "--model",
+        d,
+        "--prompt",
+        "hi",
+        "-n",
+        "2",
+        "--backend",
+        "cpu",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = sluice(&[
+        "generate",
+        "--model",
+        d,
+        "--prompt",
+        "hi",
+        "-n",
+        "2",
+        "--backend",
+        "mlx",
+    ]);
+    if cfg!(feature = "mlx") {
+        assert!(out.status.success(), "{}", text(&out.stderr));
+    } else {
+        assert!(!out.status.success());
+        assert!(
+            text(&out.stderr).contains("rebuild with `--features mlx`"),
+            "{}",
+            text(&out.stderr)
+        );
+    }
 }
