@@ -2,11 +2,8 @@
 //! anonymous mapping made once (backed by transparent huge pages where the OS allows, so the kernels'
 //! streams are not cut at every 4 KiB page), split into disjoint fixed-size slots.
 
-use std::num::NonZeroUsize;
 use std::ptr::NonNull;
 use std::sync::Arc;
-
-use nix::sys::mman::{mmap_anonymous, munmap, MapFlags, ProtFlags};
 
 /// Alignment of every slot: Apple's 16 KiB page, a multiple of the 4 KiB O_DIRECT block.
 pub const SLOT_ALIGN: usize = 16 * 1024;
@@ -30,7 +27,7 @@ impl Drop for Arena {
     fn drop(&mut self) {
         // SAFETY: `ptr..ptr+len` is exactly the mapping made in `SlotBuf::allocate`, unmapped only here,
         // after every `SlotBuf` (each holds an `Arc<Arena>`) is gone.
-        let _ = unsafe { munmap(self.ptr.cast(), self.len) };
+        unsafe { crate::platform::unmap(self.ptr, self.len) };
     }
 }
 
@@ -46,27 +43,10 @@ impl SlotBuf {
     pub fn allocate(count: usize, len: usize) -> Option<Vec<SlotBuf>> {
         let len = len.max(1).div_ceil(SLOT_ALIGN) * SLOT_ALIGN;
         let used = len.checked_mul(count.max(1))?;
-        let total = NonZeroUsize::new(used.checked_add(ARENA_ALIGN)?)?;
-        // SAFETY: a fresh private anonymous mapping aliases nothing; the kernel zero-fills it on first touch.
-        let ptr = unsafe {
-            mmap_anonymous(
-                None,
-                total,
-                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-                MapFlags::MAP_PRIVATE,
-            )
-        }
-        .ok()?
-        .cast::<u8>();
-        #[cfg(target_os = "linux")]
-        {
-            // SAFETY: the range is exactly the mapping just made, not yet touched; MADV_HUGEPAGE only changes
-            // how the kernel backs it. Failure (THP disabled) is harmless.
-            let _ =
-                unsafe { nix::sys::mman::madvise(ptr.cast(), total.get(), nix::sys::mman::MmapAdvise::MADV_HUGEPAGE) };
-        }
+        let total = used.checked_add(ARENA_ALIGN)?;
+        let ptr = crate::platform::map_zeroed(total)?;
         let start = ptr.as_ptr().align_offset(ARENA_ALIGN);
-        let arena = Arc::new(Arena { ptr, len: total.get() });
+        let arena = Arc::new(Arena { ptr, len: total });
         Some(
             (0..count)
                 .map(|i| SlotBuf {

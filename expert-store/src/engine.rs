@@ -643,4 +643,8 @@ impl ExpertSource for StreamingSource {
     fn slots(&self) -> Option<usize> {
         Some(self.inner.slots)
     }
+
+    fn slot_len(&self) -> Option<usize> {
+        Some(self.inner.slot_len)
+    }
 }

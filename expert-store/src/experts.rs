@@ -54,6 +54,11 @@ pub trait ExpertSource: Send + Sync {
         None
     }
 
+    /// Bytes per slot (the largest record, page-aligned), for sources with a slot cache.
+    fn slot_len(&self) -> Option<usize> {
+        None
+    }
+
     /// The source's I/O counters, if it does I/O.
     fn counters(&self) -> Option<Arc<StoreCounters>> {
         None

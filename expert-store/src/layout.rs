@@ -33,26 +33,12 @@ pub struct PosixFile {
 }
 
 impl PosixFile {
-    /// Opens `path` read-only; `direct` asks for O_DIRECT (Linux) or F_NOCACHE (macOS).
+    /// Opens `path` read-only; `direct` bypasses the page cache (O_DIRECT on Linux, F_NOCACHE on macOS).
     pub fn open(path: &Path, direct: bool) -> Result<Self, StoreError> {
-        let io = |source| StoreError::Io {
+        let file = crate::platform::open_for_reads(path, direct).map_err(|source| StoreError::Io {
             path: path.to_path_buf(),
             source,
-        };
-        let mut opts = std::fs::OpenOptions::new();
-        opts.read(true);
-        #[cfg(target_os = "linux")]
-        if direct {
-            use std::os::unix::fs::OpenOptionsExt;
-            opts.custom_flags(nix::libc::O_DIRECT);
-        }
-        let file = opts.open(path).map_err(io)?;
-        #[cfg(target_os = "macos")]
-        if direct {
-            nix::fcntl::fcntl(&file, nix::fcntl::FcntlArg::F_NOCACHE(true)).map_err(|e| io(e.into()))?;
-        }
-        #[cfg(not(any(target_os = "linux", target_os = "macos")))]
-        let _ = direct;
+        })?;
         Ok(Self {
             file,
             path: path.to_path_buf(),
@@ -62,21 +48,13 @@ impl PosixFile {
 
 impl ReadAt for PosixFile {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-        let offset = i64::try_from(offset).map_err(|_| io::Error::other("offset beyond i64"))?;
-        Ok(nix::sys::uio::pread(&self.file, buf, offset)?)
+        crate::platform::read_at(&self.file, buf, offset)
     }
     fn path(&self) -> &Path {
         &self.path
     }
     fn drop_os_cache(&self) -> io::Result<()> {
-        #[cfg(target_os = "linux")]
-        nix::fcntl::posix_fadvise(
-            std::os::fd::AsRawFd::as_raw_fd(&self.file),
-            0,
-            0,
-            nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
-        )?;
-        Ok(())
+        crate::platform::drop_cached_pages(&self.file)
     }
 }
 

@@ -19,6 +19,7 @@ mod error;
 mod experts;
 mod layout;
 mod mmap;
+pub mod platform;
 mod store;
 
 pub use aligned::{SlotBuf, SLOT_ALIGN};

@@ -7,8 +7,9 @@ include!(concat!(env!("OUT_DIR"), "/bindings.rs"));
 
 /// mlx-c declares its half-precision accessors only where the compiler has `__fp16`/`__bf16` (aarch64), but
 /// mlx-rs calls them everywhere; `src/half.cpp` implements them over 16-bit storage, and these are the types
-/// bindgen would have produced on aarch64.
-#[cfg(not(target_arch = "aarch64"))]
+/// bindgen would have produced on aarch64. (build.rs sets `half_shim` when the bindings came from a
+/// non-aarch64 compiler: an x86-64 build, or a check-only build for another target.)
+#[cfg(half_shim)]
 mod half_types {
     /// bindgen's rendering of `__fp16` (mlx-rs reads `.0`).
     #[repr(transparent)]
@@ -24,7 +25,7 @@ mod half_types {
         pub fn mlx_array_data_bfloat16(arr: super::mlx_array) -> *const bfloat16_t;
     }
 }
-#[cfg(not(target_arch = "aarch64"))]
+#[cfg(half_shim)]
 pub use half_types::*;
 
 /// mlx-rs seeds its random generator with macOS's `mach_approximate_time()`; Linux has no such symbol, so

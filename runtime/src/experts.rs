@@ -5,12 +5,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use expert_store::{
-    Checkpoint, EngineOptions, ExpertSource, MmapExpertSource, PackedStore, RecordTable, StackedExperts,
-    StreamingSource,
+    Checkpoint, EngineOptions, ExpertSource, InMemoryExpertSource, MmapExpertSource, PackedStore, RecordTable,
+    StackedExperts, StreamingSource,
 };
 
 use crate::error::{ModelError, Result};
 use crate::layers::PrefetchMode;
+use crate::memory_plan::{ExpertPlacement, MachineMemory, MemoryPlan, ModelFootprint, PlanRequest};
 
 /// Where expert weights live while serving.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -45,7 +46,7 @@ impl std::str::FromStr for ExpertMode {
 pub struct ExpertOptions {
     /// Resident or streamed.
     pub mode: ExpertMode,
-    /// Slot cache budget in bytes when streaming (`None`: [`default_cache_bytes`]).
+    /// Slot cache budget in bytes when streaming (`None`: the [`MemoryPlan`]'s default).
     pub cache_bytes: Option<u64>,
     /// Reads in flight at once.
     pub io_depth: usize,
@@ -57,6 +58,8 @@ pub struct ExpertOptions {
     pub prefetch: PrefetchMode,
     /// Which implementation computes the forward pass.
     pub backend: Backend,
+    /// The context limit the KV budget is planned for (`None`: the planner's default).
+    pub context: Option<usize>,
 }
 
 /// The compute backend.
@@ -100,6 +103,7 @@ impl Default for ExpertOptions {
             verify: true,
             prefetch: PrefetchMode::None,
             backend: Backend::default_for_build(),
+            context: None,
         }
     }
 }
@@ -130,21 +134,6 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
         return Err(format!("`{s}` is not a valid size"));
     }
     Ok((v * mult as f64) as u64)
-}
-
-/// Memory the OS says is available for new allocations (Linux `MemAvailable`), if known.
-pub fn available_memory() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
-}
-
-/// The default slot-cache budget: an eighth of available memory (the page cache is the second tier and
-/// gets the rest), at least 256 MiB, never more than the experts themselves.
-pub fn default_cache_bytes(total_expert_bytes: u64) -> u64 {
-    let avail = available_memory().unwrap_or(8 << 30);
-    (avail / 8).max(256 << 20).min(total_expert_bytes.max(1))
 }
 
 /// What `--model` pointed at.
@@ -184,13 +173,38 @@ impl ModelLocation {
     }
 }
 
-/// Builds the expert source for `stacks` per `opts`.
+/// Builds the expert source for `stacks` per `opts`, with the memory plan that sized it. `footprint` holds
+/// the model's KV and state sizes; its weight sizes are filled in here from the checkpoint.
 pub(crate) fn open_source(
     ckpt: &Arc<Checkpoint>,
     stacks: &[StackedExperts],
     store: Option<&PackedStore>,
     opts: &ExpertOptions,
-) -> Result<Arc<dyn ExpertSource>> {
+    mut footprint: ModelFootprint,
+) -> Result<(Arc<dyn ExpertSource>, MemoryPlan)> {
+    let stacked: u64 = stacks
+        .iter()
+        .flat_map(|s| &s.tensors)
+        .filter_map(|n| ckpt.get(n))
+        .map(|t| t.bytes().len() as u64)
+        .sum();
+    footprint.resident_weights = (ckpt.total_bytes() as u64).saturating_sub(stacked);
+    footprint.expert_bytes = stacked;
+    let plan_for = |footprint| {
+        MemoryPlan::new(
+            MachineMemory::probe(),
+            footprint,
+            &PlanRequest {
+                mode: opts.mode,
+                cache_bytes: opts.cache_bytes,
+                context: opts.context,
+                gpu_buffers: opts.backend == Backend::Mlx && cfg!(target_os = "macos"),
+            },
+        )
+    };
+    if stacks.is_empty() {
+        return Ok((Arc::new(InMemoryExpertSource::new()), plan_for(footprint)));
+    }
     let table = match store {
         Some(s) => {
             if opts.mode == ExpertMode::Mmap {
@@ -201,19 +215,19 @@ pub(crate) fn open_source(
             s.check_against(ckpt, stacks)?;
             s.table(opts.direct_io)?
         }
-        None if opts.mode == ExpertMode::Mmap => return Ok(Arc::new(MmapExpertSource::new(ckpt, stacks)?)),
+        None if opts.mode == ExpertMode::Mmap => {
+            return Ok((Arc::new(MmapExpertSource::new(ckpt, stacks)?), plan_for(footprint)))
+        }
         None => RecordTable::in_place(ckpt, stacks, opts.direct_io)?,
     };
-    let total = table.total_read_bytes();
-    let preload = match opts.mode {
-        ExpertMode::Resident | ExpertMode::Mmap => true,
-        ExpertMode::Stream => false,
-        ExpertMode::Auto => fits_in_memory(total),
-    };
-    let cache_bytes = match (preload, opts.cache_bytes) {
-        (true, _) => table.len() as u64 * (table.max_slot_len().next_multiple_of(expert_store::SLOT_ALIGN) as u64),
-        (false, Some(b)) => b,
-        (false, None) => default_cache_bytes(total),
+    // What the reads cost (packed records are padded): the bytes the slots must hold.
+    footprint.expert_bytes = table.total_read_bytes();
+    let plan = plan_for(footprint);
+    let preload = plan.placement == ExpertPlacement::Resident;
+    let cache_bytes = if preload {
+        table.len() as u64 * (table.max_slot_len().next_multiple_of(expert_store::SLOT_ALIGN) as u64)
+    } else {
+        plan.expert_cache
     };
     let engine = StreamingSource::new(
         table,
@@ -234,13 +248,7 @@ pub(crate) fn open_source(
     if preload {
         engine.preload()?;
     }
-    Ok(Arc::new(engine))
-}
-
-/// Whether `bytes` fit in well under the memory available now (leaving room for the page cache, the KV
-/// cache and everything else).
-fn fits_in_memory(bytes: u64) -> bool {
-    available_memory().is_none_or(|a| bytes.saturating_mul(10) <= a.saturating_mul(6))
+    Ok((Arc::new(engine), plan))
 }
 
 /// Packs the experts of the model directory `dir` into a store at `out` (see [`expert_store::convert`]).

@@ -485,6 +485,8 @@ pub struct DecoderModel {
     pub prefetch: PrefetchMode,
     /// Where each MoE layer's stacked expert tensors are (what `sluice convert` packs).
     pub expert_stacks: Vec<expert_store::StackedExperts>,
+    /// The memory budgets this model was loaded with.
+    pub memory_plan: crate::memory_plan::MemoryPlan,
     /// Where forward time goes, accumulated over every call.
     pub profile: StepProfile,
     /// The mlx backend's copy of the weights, when it computes instead of the cpu backend.
@@ -506,12 +508,31 @@ impl DecoderModel {
         })
     }
 
-    /// Slots of the expert cache when streaming (`None` when resident).
-    pub fn expert_slots(&self) -> Option<usize> {
+    /// The routed experts' source (shared by every MoE layer), if the model has any.
+    fn expert_source(&self) -> Option<&std::sync::Arc<dyn expert_store::ExpertSource>> {
         self.layers.iter().find_map(|l| match &l.ffn {
-            Ffn::Moe(moe) => moe.experts.slots(),
+            Ffn::Moe(moe) => Some(&moe.experts),
             Ffn::Dense(_) => None,
         })
+    }
+
+    /// Slots of the expert cache when streaming (`None` when resident).
+    pub fn expert_slots(&self) -> Option<usize> {
+        self.expert_source().and_then(|s| s.slots())
+    }
+
+    /// Bytes of one expert slot (the largest record, page-aligned) when experts go through the engine.
+    pub fn expert_slot_len(&self) -> Option<usize> {
+        self.expert_source().and_then(|s| s.slot_len())
+    }
+
+    /// Empties the expert slot cache and the OS page cache of the expert files, so the next reads come from
+    /// the disk (for cold benchmarks).
+    pub fn drop_expert_caches(&self) -> Result<()> {
+        match self.expert_source() {
+            Some(s) => Ok(s.drop_caches()?),
+            None => Ok(()),
+        }
     }
 
     /// During decode (one token), the experts layer `i + 1` will probably need, per the prefetch mode.

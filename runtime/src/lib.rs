@@ -8,8 +8,10 @@ pub mod error;
 pub mod experts;
 pub mod gated_delta;
 pub mod generate;
+pub mod golden;
 pub mod layers;
 pub mod linear;
+pub mod memory_plan;
 #[cfg(feature = "mlx")]
 pub mod mlx;
 pub mod models;
@@ -24,6 +26,7 @@ pub use error::{ModelError, Result};
 pub use experts::{convert_model, parse_size, Backend, ExpertMode, ExpertOptions};
 pub use generate::{FinishReason, GenerateParams, GenerationStats, Pipeline, Prompt};
 pub use layers::{DecoderModel, ForwardOptions, ModelInfo, PrefetchMode, RouterKind};
+pub use memory_plan::MemoryPlan;
 pub use models::{load_model, load_model_with, supported_model_types};
 pub use ops::{CacheCheckpoint, KvCache};
 pub use profile::{Part, StepProfile};

@@ -10,31 +10,12 @@ use common::fixtures;
 
 use std::path::Path;
 
+use sluice_runtime::golden::Golden;
 use sluice_runtime::sampling::argmax;
 use sluice_runtime::{load_model, ForwardOptions};
 
-#[derive(serde::Deserialize)]
-struct Golden {
-    prompt_ids: Vec<u32>,
-    logit_positions: Vec<usize>,
-    logits: Vec<Vec<f32>>,
-    greedy: Vec<u32>,
-    logits_top1: Vec<f32>,
-    /// Hybrid fixtures: more prompts (1, 3 and 200 tokens).
-    #[serde(default)]
-    extra_prompts: Vec<ExtraPrompt>,
-}
-
-#[derive(serde::Deserialize)]
-struct ExtraPrompt {
-    ids: Vec<u32>,
-    logit_positions: Vec<usize>,
-    logits: Vec<Vec<f32>>,
-    greedy: Vec<u32>,
-}
-
 fn golden(dir: &Path) -> Golden {
-    serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap()
+    Golden::load(dir).unwrap()
 }
 
 fn assert_close(what: &str, got: &[f32], want: &[f32]) -> f32 {

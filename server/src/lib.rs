@@ -34,8 +34,6 @@ pub struct ServerConfig {
     pub max_queue: usize,
     /// Experts per token (`None`: the model's own); requests may lower it.
     pub top_k: Option<usize>,
-    /// Slot cache bytes, for the metrics (0 when resident).
-    pub cache_bytes: u64,
 }
 
 /// The router over `state`.
@@ -81,7 +79,10 @@ pub async fn serve(
         )));
     }
     let context_length = pipeline.model.info.context_length;
-    let metrics = Metrics::new(top_k, pipeline.model.expert_counters(), cfg.cache_bytes);
+    // The slot memory the engine really holds (resident or streamed); 0 when experts are mmap'd.
+    let m = &pipeline.model;
+    let cache_bytes = m.expert_slots().unwrap_or(0) as u64 * m.expert_slot_len().unwrap_or(0) as u64;
+    let metrics = Metrics::new(top_k, m.expert_counters(), cache_bytes);
     let engine = EngineHandle::start(pipeline, cfg.max_queue, Arc::clone(&metrics));
     let _ = state.loaded.set(Loaded {
         engine,

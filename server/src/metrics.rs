@@ -214,7 +214,7 @@ impl Metrics {
     pub fn render(&self, waiting: usize, running: usize) -> String {
         self.queue_len.set(waiting as i64);
         self.running.set(running as i64);
-        if let Some(rss) = resident_bytes() {
+        if let Some(rss) = expert_store::platform::resident_bytes() {
             self.rss.set(rss as i64);
         }
         if let Some(s) = &self.store {
@@ -251,11 +251,4 @@ impl StoreMetrics {
         self.depth.set(now.effective_queue_depth());
         *last = now;
     }
-}
-
-/// Current resident set size (Linux), if known.
-fn resident_bytes() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/self/statm").ok()?;
-    let pages: u64 = s.split_whitespace().nth(1)?.parse().ok()?;
-    Some(pages * 4096)
 }

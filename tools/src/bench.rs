@@ -56,57 +56,68 @@ pub struct BenchArgs {
 
 /// One measured run.
 #[derive(Serialize)]
-struct RunReport {
-    run: String,
-    prompt_tokens: usize,
-    prefill_tok_s: f64,
-    gen_tokens: usize,
-    decode_tok_s: f64,
-    decode_ms_per_token: f64,
+pub(crate) struct RunReport {
+    pub(crate) run: String,
+    pub(crate) prompt_tokens: usize,
+    pub(crate) prefill_tok_s: f64,
+    pub(crate) gen_tokens: usize,
+    pub(crate) decode_tok_s: f64,
+    pub(crate) decode_ms_per_token: f64,
     /// Expert bytes read from disk per decoded token (demand + prefetch).
-    read_bytes_per_token: f64,
-    hit_rate: f64,
+    pub(crate) read_bytes_per_token: f64,
+    pub(crate) hit_rate: f64,
     /// Share of decode time spent waiting for expert reads.
-    io_wait_share: f64,
+    pub(crate) io_wait_share: f64,
     /// Bytes read / time with at least one read in flight.
-    read_gb_s: f64,
-    read_p50_ms: f64,
-    read_p99_ms: f64,
-    effective_queue_depth: f64,
-    prefetch_accuracy: f64,
-    prefetch_wasted_bytes: u64,
+    pub(crate) read_gb_s: f64,
+    pub(crate) read_p50_ms: f64,
+    pub(crate) read_p99_ms: f64,
+    pub(crate) effective_queue_depth: f64,
+    pub(crate) prefetch_accuracy: f64,
+    pub(crate) prefetch_wasted_bytes: u64,
     /// Where prefill time went, as shares of it (as `decode_split`).
-    prefill_split: Vec<(String, f64)>,
+    pub(crate) prefill_split: Vec<(String, f64)>,
     /// Where decode time went, as shares of it: each layer part (routed experts without their I/O wait),
     /// `io_wait` (waiting for expert records) and `other` (residual adds, layer norms).
-    decode_split: Vec<(String, f64)>,
-    decode_counters: Option<CounterSnapshot>,
+    pub(crate) decode_split: Vec<(String, f64)>,
+    pub(crate) decode_counters: Option<CounterSnapshot>,
 }
 
 /// Everything `bench` reports.
 #[derive(Serialize)]
-struct Report {
-    model: String,
-    mode: String,
-    experts: usize,
-    top_k: usize,
-    layers: usize,
-    record_bytes: u64,
-    expert_bytes_per_token: u64,
-    cache_slots: Option<usize>,
-    io_depth: usize,
-    direct_io: bool,
-    prefetch: String,
-    threads: usize,
-    load_seconds: f64,
-    disk_probe_gb_s: Option<f64>,
-    dram_probe_gb_s: Option<f64>,
-    runs: Vec<RunReport>,
+pub(crate) struct Report {
+    pub(crate) model: String,
+    pub(crate) mode: String,
+    pub(crate) experts: usize,
+    pub(crate) top_k: usize,
+    pub(crate) layers: usize,
+    pub(crate) record_bytes: u64,
+    pub(crate) expert_bytes_per_token: u64,
+    pub(crate) cache_slots: Option<usize>,
+    pub(crate) io_depth: usize,
+    pub(crate) direct_io: bool,
+    pub(crate) prefetch: String,
+    pub(crate) threads: usize,
+    pub(crate) load_seconds: f64,
+    pub(crate) disk_probe_gb_s: Option<f64>,
+    pub(crate) dram_probe_gb_s: Option<f64>,
+    pub(crate) runs: Vec<RunReport>,
 }
 
 /// Runs `sluice bench`.
 pub fn run(a: BenchArgs) -> Result<()> {
     crate::set_threads(a.threads)?;
+    let report = measure_all(&a)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_table(&report);
+    }
+    Ok(())
+}
+
+/// Loads the model and measures what `a` asks for, probes included.
+pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
     let (cold, warm) = match a.runs.as_str() {
         "cold" => (true, false),
         "warm" => (false, true),
@@ -121,6 +132,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let p = Pipeline::load_with(&a.model, &opts).with_context(|| format!("loading {}", a.model.display()))?;
     let load_seconds = started.elapsed().as_secs_f64();
     let m = &p.model;
+    if a.engine.verbose {
+        eprintln!("{}", m.memory_plan);
+    }
     let top_k = a.top_k.unwrap_or(m.info.default_top_k);
     let stream = match &a.text {
         Some(f) => {
@@ -151,7 +165,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let per_run = a.prompt_tokens + a.gen_tokens;
     if cold {
         if streaming {
-            drop_caches(m)?;
+            m.drop_expert_caches()?;
         } else if !a.json {
             eprintln!("note: experts are resident (mmap); a cold run only drops the slot cache when streaming");
         }
@@ -174,7 +188,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let slots = p.model.expert_slots();
     let report = Report {
         model: a.model.display().to_string(),
-        mode: if streaming { "stream" } else { "resident" }.into(),
+        mode: format!("{:?}", m.memory_plan.placement).to_lowercase(),
         experts: m.info.num_experts,
         top_k,
         layers: m.info.num_layers,
@@ -190,22 +204,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         dram_probe_gb_s,
         runs,
     };
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        print_table(&report);
-    }
-    Ok(())
-}
-
-fn drop_caches(m: &DecoderModel) -> Result<()> {
-    for l in &m.layers {
-        if let sluice_runtime::layers::Ffn::Moe(moe) = &l.ffn {
-            moe.experts.drop_caches()?;
-            break;
-        }
-    }
-    Ok(())
+    Ok(report)
 }
 
 /// Prefill `tokens[..prompt]` in one pass (chunks of 512), then decode the rest one token at a time.

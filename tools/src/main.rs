@@ -3,6 +3,7 @@
 #![warn(missing_docs)]
 
 mod bench;
+mod selftest;
 mod serve;
 mod store_cmds;
 mod synth;
@@ -40,6 +41,9 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Write a random-weight model with the exact shapes of a real one (any size, streamed to disk).
     Synth(synth::SynthArgs),
+    /// Check this machine: the committed mlx-lm goldens on its backend (resident and streamed), then a short
+    /// bench with its disk and DRAM probes; prints one report to paste into an issue.
+    Selftest(selftest::SelftestArgs),
 }
 
 #[derive(Args)]
@@ -120,6 +124,7 @@ fn main() -> Result<()> {
         Command::Inspect(args) => store_cmds::inspect(args),
         Command::Bench(args) => bench::run(args),
         Command::Synth(args) => synth::run(args),
+        Command::Selftest(args) => selftest::run(args),
     }
 }
 
@@ -148,9 +153,13 @@ fn generate(a: GenerateArgs) -> Result<()> {
     };
     // Cheap checks before a load that may take minutes.
     params.sampling.validate()?;
-    let opts = a.engine.options()?;
+    let mut opts = a.engine.options()?;
+    opts.context = a.ctx_size;
     let pipeline =
         Pipeline::load_with(&a.model, &opts).with_context(|| format!("loading the model in {}", a.model.display()))?;
+    if a.engine.verbose {
+        eprintln!("{}", pipeline.model.memory_plan);
+    }
     let prompt = match (&a.prompt, &a.chat) {
         (Some(p), _) => Prompt::Raw(p.clone()),
         (None, Some(c)) => {
@@ -224,15 +233,8 @@ fn summary(s: &GenerationStats) -> String {
         rate(s.prompt_tokens, s.prefill_time),
         s.generated_tokens,
         rate(s.decode_steps, s.decode_time),
-        peak_rss().map_or("unknown".into(), |b| format!("{:.1} MiB", b as f64 / (1024.0 * 1024.0))),
+        expert_store::platform::peak_resident_bytes()
+            .map_or("unknown".into(), |b| format!("{:.1} MiB", b as f64 / (1024.0 * 1024.0))),
         s.finish,
     )
-}
-
-/// Peak resident set size of this process, in bytes.
-fn peak_rss() -> Option<u64> {
-    let usage = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_SELF).ok()?;
-    let max = usage.max_rss() as u64;
-    // Linux reports KiB, macOS bytes.
-    Some(if cfg!(target_os = "macos") { max } else { max * 1024 })
 }

@@ -61,7 +61,6 @@ pub fn run(a: ServeArgs) -> Result<()> {
         model_id: model_id.clone(),
         max_queue: a.max_queue,
         top_k: a.top_k,
-        cache_bytes: opts.cache_bytes.unwrap_or(0),
     };
     let model = a.model.clone();
     let load = move || {
@@ -69,8 +68,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
         let p = Pipeline::load_with(&model, &opts).map_err(|e| format!("{}: {e}", model.display()))?;
         let _ = writeln!(
             std::io::stderr(),
-            "sluice: model loaded in {:.1} s; ready",
-            t.elapsed().as_secs_f64()
+            "sluice: model loaded in {:.1} s; ready\n{}",
+            t.elapsed().as_secs_f64(),
+            p.model.memory_plan
         );
         Ok(p)
     };

@@ -11,7 +11,7 @@ use sluice_runtime::{convert_model, Backend, ExpertMode, ExpertOptions, Prefetch
 /// Flags that choose how experts are served (generate, bench, serve).
 #[derive(Args, Clone, Debug)]
 pub struct EngineArgs {
-    /// Where experts live: `auto` (resident when they fit in well under available memory, else
+    /// Where experts live: `auto` (resident when they fit beside everything else in available memory, else
     /// streamed), `resident` or `stream`. Setting --expert-cache implies `stream` under `auto`.
     #[arg(long, default_value = "auto", env = "SLUICE_EXPERTS")]
     pub experts: ExpertMode,
@@ -39,6 +39,9 @@ pub struct EngineArgs {
     /// `--features mlx`). Default: mlx on macOS when compiled in, else cpu.
     #[arg(long, env = "SLUICE_BACKEND")]
     pub backend: Option<Backend>,
+    /// Print the memory plan (every budget, from the machine's memory and these flags) when the model loads.
+    #[arg(short = 'v', long, env = "SLUICE_VERBOSE")]
+    pub verbose: bool,
 }
 
 /// Matmul kernel family.
@@ -69,6 +72,7 @@ impl EngineArgs {
             verify: !self.no_verify,
             prefetch: self.prefetch,
             backend: self.backend.unwrap_or_else(Backend::default_for_build),
+            context: None,
         })
     }
 }

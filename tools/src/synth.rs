@@ -976,8 +976,9 @@ fn write_shards(
     )
 }
 
-/// One output file. On Linux it is written with O_DIRECT (no page cache: disk speed, and no cached copy to
-/// flatter a later cold benchmark); a tail shorter than a block is written padded and cut off at close.
+/// One output file, written around the page cache where the OS allows (O_DIRECT on Linux, F_NOCACHE on macOS:
+/// disk speed, and no cached copy to flatter a later cold benchmark). O_DIRECT writes whole blocks, so a tail
+/// shorter than a block is written padded and cut off at close.
 struct OutFile {
     path: PathBuf,
     file: File,
@@ -988,23 +989,10 @@ struct OutFile {
 
 impl OutFile {
     fn create(path: PathBuf) -> Result<Self> {
-        let plain = || File::create(&path).with_context(|| format!("creating {}", path.display()));
-        #[cfg(target_os = "linux")]
-        let (file, direct) = {
-            use std::os::unix::fs::OpenOptionsExt;
-            let mut o = std::fs::OpenOptions::new();
-            o.write(true)
-                .create(true)
-                .truncate(true)
-                .custom_flags(nix::libc::O_DIRECT);
-            match o.open(&path) {
-                Ok(f) => (f, true),
-                // Filesystems without O_DIRECT (tmpfs) refuse it at open.
-                Err(_) => (plain()?, false),
-            }
-        };
-        #[cfg(not(target_os = "linux"))]
-        let (file, direct) = (plain()?, false);
+        let (file, direct) =
+            expert_store::platform::create_uncached(&path).with_context(|| format!("creating {}", path.display()))?;
+        // Only Linux's O_DIRECT needs whole aligned blocks; macOS's F_NOCACHE writes take any length.
+        let direct = direct && expert_store::platform::UNCACHED_WRITES_NEED_ALIGNMENT;
         Ok(OutFile {
             path,
             file,
@@ -1023,7 +1011,7 @@ impl OutFile {
                     return Ok(());
                 }
                 // Some filesystems accept O_DIRECT at open and refuse the write: go on buffered from here.
-                Err(e) if e.raw_os_error() == Some(nix::libc::EINVAL) => self.buffered()?,
+                Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => self.buffered()?,
                 Err(e) => return Err(e).with_context(|| io(&self.path)),
             }
         }
@@ -1035,17 +1023,8 @@ impl OutFile {
     /// Turns O_DIRECT off and goes back to the end of the real content.
     fn buffered(&mut self) -> Result<()> {
         use std::io::{Seek, SeekFrom};
-        #[cfg(target_os = "linux")]
-        {
-            use nix::fcntl::{fcntl, FcntlArg, OFlag};
-            use std::os::fd::AsRawFd;
-            let fd = self.file.as_raw_fd();
-            let flags = OFlag::from_bits_truncate(
-                fcntl(fd, FcntlArg::F_GETFL).with_context(|| format!("reading flags of {}", self.path.display()))?,
-            );
-            fcntl(fd, FcntlArg::F_SETFL(flags - OFlag::O_DIRECT))
-                .with_context(|| format!("turning off O_DIRECT on {}", self.path.display()))?;
-        }
+        expert_store::platform::set_cached(&self.file)
+            .with_context(|| format!("turning off O_DIRECT on {}", self.path.display()))?;
         self.direct = false;
         self.file
             .seek(SeekFrom::Start(self.len))

@@ -112,6 +112,25 @@ fn bench_reports_runs_and_probes_as_json() {
         "0",
     ]);
     assert!(out.contains("decode/s") && out.contains("warm"), "{out}");
+    // The label says where the experts were: auto on a tiny model keeps them resident; mmap is mmap.
+    assert!(out.contains("mode resident |"), "{out}");
+    let (out, _) = ok(&[
+        "bench",
+        "-m",
+        d,
+        "-p",
+        "2",
+        "-n",
+        "2",
+        "--runs",
+        "warm",
+        "--probe-seconds",
+        "0",
+        "--experts",
+        "mmap",
+        "--json",
+    ]);
+    assert_eq!(serde_json::from_str::<serde_json::Value>(&out).unwrap()["mode"], "mmap");
 }
 
 #[test]

@@ -435,9 +435,6 @@ impl MatRef<'_> {
     }
 }
 
-/// A task's rows (from `first`, `chunk` holds `[rows, n]` outputs) with the int8-activation kernel: the
-/// rows' scales and biases converted once, then all rows per token.
-#[cfg(target_arch = "x86_64")]
 /// The fused AVX-512 4-bit kernel over one task's rows, several rows and tokens per pass.
 #[cfg(target_arch = "x86_64")]
 fn q4_block_task(q: &QuantMatrix<'_>, c: &RowCtx<'_>, first: usize, n: usize, chunk: &mut [f32]) {
@@ -461,6 +458,9 @@ fn q4_block_task(q: &QuantMatrix<'_>, c: &RowCtx<'_>, first: usize, n: usize, ch
     x86::fused_q4_block_avx512(&block, rows, n, chunk);
 }
 
+/// A task's rows (from `first`, `chunk` holds `[rows, n]` outputs) with the int8-activation kernel: the
+/// rows' scales and biases converted once, then all rows per token.
+#[cfg(target_arch = "x86_64")]
 fn q8_task(
     q: &QuantMatrix<'_>,
     k: q8::Q8Kernel,

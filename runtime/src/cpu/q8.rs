@@ -88,6 +88,8 @@ fn vnni_available() -> bool {
 }
 
 /// Quantized activations of `n` tokens laid out for one kernel.
+// Only the x86-64 integer kernels read them so far.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(super) struct QuantActs {
     /// Per token, `cols` int8 values in the kernel's order.
     pub xq: Vec<i8>,

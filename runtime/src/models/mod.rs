@@ -7,8 +7,6 @@ mod qwen3_next;
 use std::path::Path;
 use std::sync::Arc;
 
-use expert_store::ExpertSource;
-
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::experts::{open_source, Backend, ExpertOptions, ModelLocation};
@@ -16,6 +14,7 @@ use crate::gated_delta::{DeltaShape, GatedDeltaNet};
 use crate::layers::{
     Attention, AttnSpec, DecoderLayer, DecoderModel, Ffn, Mixer, Mlp, ModelInfo, RouterKind, SharedExpert, SparseMoe,
 };
+use crate::memory_plan::ModelFootprint;
 use crate::ops::{AttnShape, Rope};
 use crate::weights::Weights;
 
@@ -152,6 +151,25 @@ impl DecoderDims {
     }
 }
 
+/// The per-sequence memory a model of these dimensions needs: f32 K and V for every full-attention layer, and
+/// the f32 state and conv history of every linear-attention layer.
+fn footprint(d: &DecoderDims) -> ModelFootprint {
+    let f32s = 4u64;
+    let linear = d.hybrid.as_ref().map_or(0, |h| h.linear.iter().filter(|&&l| l).count());
+    let kv_layers = (d.layers - linear) as u64;
+    let kv = kv_layers * 2 * (d.attn.kv_heads * d.attn.head_dim) as u64 * f32s;
+    let state = d
+        .hybrid
+        .as_ref()
+        .map_or(0, |h| linear as u64 * h.delta.state_floats() as u64 * f32s);
+    ModelFootprint {
+        kv_bytes_per_token: kv,
+        state_bytes: state,
+        context_length: d.context_length,
+        ..ModelFootprint::default()
+    }
+}
+
 /// Assembles embedding, layers (attention at `model.layers.N.self_attn`, or for hybrids linear attention at
 /// `model.layers.N.linear_attn`; FFN per `plan`), norm and head.
 pub(crate) fn build_decoder(w: &Weights, d: DecoderDims, plan: impl Fn(usize) -> FfnPlan) -> Result<DecoderModel> {
@@ -194,11 +212,8 @@ pub(crate) fn build_decoder(w: &Weights, d: DecoderDims, plan: impl Fn(usize) ->
         output_gate: d.hybrid.is_some(),
         norm_offset: offset,
     };
-    let source: Arc<dyn ExpertSource> = if stacks.is_empty() {
-        Arc::new(expert_store::InMemoryExpertSource::new())
-    } else {
-        open_source(w.checkpoint(), &stacks, w.store.as_deref(), &w.expert_opts)?
-    };
+    let footprint = footprint(&d);
+    let (source, memory_plan) = open_source(w.checkpoint(), &stacks, w.store.as_deref(), &w.expert_opts, footprint)?;
     let mut formats = formats.into_iter();
     let mut layers = Vec::with_capacity(d.layers);
     for (i, p) in plans.iter().enumerate() {
@@ -274,6 +289,7 @@ pub(crate) fn build_decoder(w: &Weights, d: DecoderDims, plan: impl Fn(usize) ->
         hidden: d.hidden,
         prefetch: w.expert_opts.prefetch,
         expert_stacks: stacks,
+        memory_plan,
         profile: Default::default(),
         #[cfg(feature = "mlx")]
         mlx: None,

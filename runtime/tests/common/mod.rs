@@ -21,21 +21,11 @@ pub fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures").join(name)
 }
 
-/// Checks `got` against `want` logit by logit within 1e-3 + 1e-3·|want| (f32 on both sides; the gap is summation
-/// order and transcendental functions); names both sides in the failure. Returns the largest difference.
+/// Checks `got` against `want` logit by logit within the golden tolerance (1e-3 + 1e-3·|want|; f32 on both
+/// sides, the gap is summation order and transcendental functions); names both sides in the failure. Returns
+/// the largest difference.
 #[allow(dead_code)] // not every test binary uses it
 pub fn assert_close(what: &str, got: &[f32], want: &[f32], names: (&str, &str)) -> f32 {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let mut worst = 0f32;
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let err = (g - w).abs();
-        assert!(
-            err <= 1e-3 + 1e-3 * w.abs(),
-            "{what}[{i}]: {} {g} vs {} {w}",
-            names.0,
-            names.1
-        );
-        worst = worst.max(err);
-    }
-    worst
+    sluice_runtime::golden::compare_logits(got, want)
+        .unwrap_or_else(|e| panic!("{what} ({} vs {}): {e}", names.0, names.1))
 }

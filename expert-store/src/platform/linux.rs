@@ -1,0 +1,85 @@
+//! Linux: `/proc`, O_DIRECT, `posix_fadvise`, transparent huge pages.
+
+use std::ffi::c_void;
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+use std::ptr::NonNull;
+
+use nix::fcntl::{fcntl, FcntlArg, OFlag};
+
+fn meminfo(key: &str) -> Option<u64> {
+    super::meminfo_bytes(&std::fs::read_to_string("/proc/meminfo").ok()?, key)
+}
+
+pub(super) fn os_release() -> Option<String> {
+    Some(
+        std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .ok()?
+            .trim()
+            .to_string(),
+    )
+}
+
+pub(super) fn total_memory() -> Option<u64> {
+    meminfo("MemTotal")
+}
+
+pub(super) fn available_memory() -> Option<u64> {
+    meminfo("MemAvailable")
+}
+
+pub(super) fn resident_bytes() -> Option<u64> {
+    super::statm_resident_bytes(&std::fs::read_to_string("/proc/self/statm").ok()?, super::page_size())
+}
+
+pub(super) fn gpu_working_set_limit() -> Option<u64> {
+    None
+}
+
+pub(super) fn open_for_reads(path: &Path, uncached: bool) -> io::Result<File> {
+    let mut opts = std::fs::OpenOptions::new();
+    opts.read(true);
+    if uncached {
+        opts.custom_flags(nix::libc::O_DIRECT);
+    }
+    opts.open(path)
+}
+
+pub(super) fn drop_cached_pages(file: &File) -> io::Result<()> {
+    nix::fcntl::posix_fadvise(
+        file.as_raw_fd(),
+        0,
+        0,
+        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
+    )?;
+    Ok(())
+}
+
+pub(super) fn create_uncached(path: &Path) -> io::Result<(File, bool)> {
+    let mut o = std::fs::OpenOptions::new();
+    o.write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(nix::libc::O_DIRECT);
+    match o.open(path) {
+        Ok(f) => Ok((f, true)),
+        // Filesystems without O_DIRECT (tmpfs) refuse it at open.
+        Err(_) => Ok((File::create(path)?, false)),
+    }
+}
+
+pub(super) fn set_cached(file: &File) -> io::Result<()> {
+    let fd = file.as_raw_fd();
+    let flags = OFlag::from_bits_truncate(fcntl(fd, FcntlArg::F_GETFL)?);
+    fcntl(fd, FcntlArg::F_SETFL(flags - OFlag::O_DIRECT))?;
+    Ok(())
+}
+
+pub(super) fn advise_huge_pages(ptr: NonNull<c_void>, len: usize) {
+    // SAFETY: the caller passes a mapping it just made and has not touched; MADV_HUGEPAGE only changes how
+    // the kernel backs it. Failure (THP disabled) is harmless.
+    let _ = unsafe { nix::sys::mman::madvise(ptr, len, nix::sys::mman::MmapAdvise::MADV_HUGEPAGE) };
+}

@@ -1,0 +1,293 @@
+//! Every OS-specific call sluice makes, for Linux and macOS side by side: memory facts (total, available,
+//! resident, the GPU's working-set limit), uncached file I/O, dropping a file's cached pages, and the slot
+//! arena's anonymous mapping. The rest of the code asks these questions and never reads `/proc`, calls
+//! `sysctl` or sets file flags itself.
+//!
+//! The arithmetic that turns the OS's raw numbers into answers is plain functions at the top of this file,
+//! so it is tested on every platform (a captured macOS `vm_statistics64` is checked on Linux too).
+
+#[cfg(target_os = "linux")]
+mod linux;
+#[cfg(target_os = "macos")]
+mod macos;
+#[cfg(not(any(target_os = "linux", target_os = "macos")))]
+mod other;
+
+#[cfg(target_os = "linux")]
+use linux as os;
+#[cfg(target_os = "macos")]
+use macos as os;
+#[cfg(not(any(target_os = "linux", target_os = "macos")))]
+use other as os;
+
+use std::fs::File;
+use std::io;
+use std::path::Path;
+use std::ptr::NonNull;
+
+/// The page counts of macOS's `host_statistics64(HOST_VM_INFO64)` that matter for "available memory".
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct VmPageCounts {
+    /// Free pages (XNU reports them without the speculative ones).
+    pub free: u64,
+    /// Inactive pages: clean or reclaimable without swapping first.
+    pub inactive: u64,
+    /// Purgeable pages: volatile memory the OS may discard at once.
+    pub purgeable: u64,
+    /// Speculative pages: read-ahead file pages, reclaimed before anything else.
+    pub speculative: u64,
+}
+
+/// Bytes macOS can hand out without paging anything out: free + speculative + inactive + purgeable pages.
+///
+/// This is what Activity Monitor's "memory pressure" treats as reclaimable; wired, active and compressed
+/// pages are not counted. `free_count` excludes speculative pages in XNU, so both are added.
+pub fn available_from_vm_pages(c: &VmPageCounts, page_size: u64) -> u64 {
+    c.free
+        .saturating_add(c.speculative)
+        .saturating_add(c.inactive)
+        .saturating_add(c.purgeable)
+        .saturating_mul(page_size)
+}
+
+/// Metal's default working-set limit (`recommendedMaxWorkingSetSize`) on an Apple Silicon Mac with `total`
+/// bytes of RAM: three quarters of memory above 36 GiB, two thirds at or below. `iogpu.wired_limit_mb`
+/// overrides it (see [`gpu_working_set_limit`]).
+pub fn default_gpu_working_set(total: u64) -> u64 {
+    if total > 36 << 30 {
+        total / 4 * 3
+    } else {
+        total / 3 * 2
+    }
+}
+
+/// A `key:  N kB` line of Linux's `/proc/meminfo`, in bytes.
+pub fn meminfo_bytes(meminfo: &str, key: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.split(':').next() == Some(key))?;
+    let mut words = line.split(':').nth(1)?.split_whitespace();
+    let n: u64 = words.next()?.parse().ok()?;
+    match words.next() {
+        Some("kB") => n.checked_mul(1024),
+        None => Some(n),
+        Some(_) => None,
+    }
+}
+
+/// Resident bytes from Linux's `/proc/self/statm` (its second field counts pages).
+pub fn statm_resident_bytes(statm: &str, page_size: u64) -> Option<u64> {
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    pages.checked_mul(page_size)
+}
+
+/// The operating system's name as users know it (`macOS`, `Linux`, ...).
+pub fn os_name() -> &'static str {
+    match std::env::consts::OS {
+        "macos" => "macOS",
+        "linux" => "Linux",
+        other => other,
+    }
+}
+
+/// The OS release (kernel version on Linux, product version on macOS), if known.
+pub fn os_release() -> Option<String> {
+    os::os_release()
+}
+
+/// Physical memory in bytes.
+pub fn total_memory() -> Option<u64> {
+    os::total_memory()
+}
+
+/// Memory the OS can give this process now without paging out (Linux `MemAvailable`; macOS free,
+/// speculative, inactive and purgeable pages).
+pub fn available_memory() -> Option<u64> {
+    os::available_memory()
+}
+
+/// This process's resident set size now.
+pub fn resident_bytes() -> Option<u64> {
+    os::resident_bytes()
+}
+
+/// The largest resident set size this process has had.
+pub fn peak_resident_bytes() -> Option<u64> {
+    let usage = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_SELF).ok()?;
+    let max = u64::try_from(usage.max_rss()).ok()?;
+    // `ru_maxrss` is in bytes on macOS and in KiB on Linux.
+    Some(if cfg!(target_os = "macos") { max } else { max * 1024 })
+}
+
+/// How much memory the GPU may keep wired (macOS: `iogpu.wired_limit_mb` when set, else Metal's default
+/// for this machine's RAM); `None` where the GPU has no such limit (Linux: no unified-memory GPU here).
+pub fn gpu_working_set_limit() -> Option<u64> {
+    os::gpu_working_set_limit()
+}
+
+/// The virtual-memory page size.
+pub fn page_size() -> u64 {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+        .ok()
+        .flatten()
+        .and_then(|n| u64::try_from(n).ok())
+        .unwrap_or(4096)
+}
+
+/// Opens `path` for positional reads; `uncached` bypasses the page cache (O_DIRECT on Linux, which then
+/// needs aligned offsets, lengths and buffers; F_NOCACHE with read-ahead off on macOS).
+pub fn open_for_reads(path: &Path, uncached: bool) -> io::Result<File> {
+    os::open_for_reads(path, uncached)
+}
+
+/// Reads up to `buf.len()` bytes of `file` at `offset` without moving its cursor (`pread`).
+pub fn read_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    let offset = i64::try_from(offset).map_err(|_| io::Error::other("offset beyond i64"))?;
+    Ok(nix::sys::uio::pread(file, buf, offset)?)
+}
+
+/// Asks the OS to forget `file`'s cached pages, so the next reads come from the disk (Linux
+/// `posix_fadvise(DONTNEED)`; macOS `msync(MS_INVALIDATE)` over a mapping of the file).
+pub fn drop_cached_pages(file: &File) -> io::Result<()> {
+    os::drop_cached_pages(file)
+}
+
+/// Creates (truncating) `path` for sequential writes that bypass the page cache where the filesystem
+/// allows; returns the file and whether it is uncached. Uncached writes on Linux must be whole
+/// [`crate::DIRECT_ALIGN`] blocks from aligned memory; macOS has no such rule.
+pub fn create_uncached(path: &Path) -> io::Result<(File, bool)> {
+    os::create_uncached(path)
+}
+
+/// Turns a file from [`create_uncached`] back into an ordinary cached one.
+pub fn set_cached(file: &File) -> io::Result<()> {
+    os::set_cached(file)
+}
+
+/// Whether uncached writes to this file need block-aligned lengths and memory (Linux O_DIRECT).
+pub const UNCACHED_WRITES_NEED_ALIGNMENT: bool = cfg!(target_os = "linux");
+
+/// A fresh private, zero-filled, read-write anonymous mapping of `len` bytes, backed by huge pages where
+/// the OS allows (Linux transparent huge pages); `None` if the OS refuses it.
+pub fn map_zeroed(len: usize) -> Option<NonNull<u8>> {
+    use nix::sys::mman::{mmap_anonymous, MapFlags, ProtFlags};
+    let len = std::num::NonZeroUsize::new(len)?;
+    // SAFETY: a fresh private anonymous mapping aliases nothing; the kernel zero-fills it on first touch.
+    let ptr = unsafe {
+        mmap_anonymous(
+            None,
+            len,
+            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+            MapFlags::MAP_PRIVATE,
+        )
+    }
+    .ok()?;
+    os::advise_huge_pages(ptr, len.get());
+    Some(ptr.cast())
+}
+
+/// Unmaps a mapping made by [`map_zeroed`].
+///
+/// # Safety
+/// `ptr` and `len` must be exactly one [`map_zeroed`] result and its length, and nothing may use the
+/// memory afterwards.
+pub unsafe fn unmap(ptr: NonNull<u8>, len: usize) {
+    // SAFETY: the caller passes exactly one live mapping and never touches it again.
+    let _ = unsafe { nix::sys::mman::munmap(ptr.cast(), len) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `vm_stat` on a 64 GB M2 Max while idle: page size 16384, then the counts below.
+    const M2_MAX_64GB: VmPageCounts = VmPageCounts {
+        free: 1_843_200,
+        inactive: 812_345,
+        purgeable: 24_576,
+        speculative: 61_440,
+    };
+
+    #[test]
+    fn macos_available_memory_counts_reclaimable_pages() {
+        let bytes = available_from_vm_pages(&M2_MAX_64GB, 16384);
+        assert_eq!(bytes, (1_843_200 + 812_345 + 24_576 + 61_440) * 16384);
+        // 44.9 GB of 64: the rest is wired, active and compressed.
+        assert!((bytes as f64 / 1e9 - 44.92).abs() < 0.01, "{bytes}");
+        assert_eq!(available_from_vm_pages(&VmPageCounts::default(), 16384), 0);
+        let huge = VmPageCounts {
+            free: u64::MAX,
+            ..M2_MAX_64GB
+        };
+        assert_eq!(available_from_vm_pages(&huge, 16384), u64::MAX);
+    }
+
+    #[test]
+    fn metal_default_working_set_is_three_quarters_above_36_gib() {
+        assert_eq!(default_gpu_working_set(64 << 30), 48 << 30);
+        assert_eq!(default_gpu_working_set(128 << 30), 96 << 30);
+        assert_eq!(default_gpu_working_set(24 << 30), 16 << 30);
+        assert_eq!(default_gpu_working_set(36 << 30), 24 << 30);
+    }
+
+    #[test]
+    fn meminfo_and_statm_parse() {
+        let meminfo = "MemTotal:       24576000 kB\nMemFree:        1000 kB\nMemAvailable:   20480000 kB\n\
+                       HugePages_Total:       0\n";
+        assert_eq!(meminfo_bytes(meminfo, "MemAvailable"), Some(20_480_000 * 1024));
+        assert_eq!(meminfo_bytes(meminfo, "MemTotal"), Some(24_576_000 * 1024));
+        assert_eq!(meminfo_bytes(meminfo, "HugePages_Total"), Some(0));
+        assert_eq!(meminfo_bytes(meminfo, "Mem"), None);
+        assert_eq!(meminfo_bytes(meminfo, "SwapTotal"), None);
+        assert_eq!(statm_resident_bytes("1000 250 30 1 0 200 0\n", 4096), Some(250 * 4096));
+        assert_eq!(statm_resident_bytes("1000", 4096), None);
+    }
+
+    #[test]
+    fn this_machine_answers_every_memory_question() {
+        let total = total_memory().expect("total memory");
+        let avail = available_memory().expect("available memory");
+        assert!(avail > 0 && avail <= total, "available {avail} of {total}");
+        let rss = resident_bytes().expect("resident bytes");
+        let peak = peak_resident_bytes().expect("peak resident bytes");
+        assert!(rss > 0 && rss <= total);
+        assert!(peak + page_size() >= rss, "peak {peak} < now {rss}");
+        #[cfg(target_os = "linux")]
+        {
+            let text = std::fs::read_to_string("/proc/meminfo").unwrap();
+            let want = meminfo_bytes(&text, "MemAvailable").unwrap();
+            // The same number the kernel gives, give or take what moved in between.
+            assert!(avail.abs_diff(want) < 256 << 20, "{avail} vs {want}");
+            assert_eq!(total, meminfo_bytes(&text, "MemTotal").unwrap());
+            assert_eq!(gpu_working_set_limit(), None);
+        }
+        #[cfg(target_os = "macos")]
+        assert!(gpu_working_set_limit().is_some_and(|g| g <= total));
+    }
+
+    #[test]
+    fn dropping_cached_pages_and_uncached_files_work_here() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("data");
+        std::fs::write(&path, vec![7u8; 1 << 16]).unwrap();
+        let f = open_for_reads(&path, false).unwrap();
+        drop_cached_pages(&f).unwrap();
+        let mut buf = vec![0u8; 100];
+        assert_eq!(read_at(&f, &mut buf, (1 << 16) - 50).unwrap(), 50);
+        assert!(buf[..50].iter().all(|&b| b == 7));
+        // tmpfs refuses O_DIRECT; a real filesystem accepts it. Either way the error (if any) is an io::Error.
+        let _ = open_for_reads(&path, true);
+        let (w, _) = create_uncached(&dir.path().join("out")).unwrap();
+        set_cached(&w).unwrap();
+    }
+
+    #[test]
+    fn anonymous_mappings_are_zeroed_and_writable() {
+        let len = 3 << 20;
+        let p = map_zeroed(len).unwrap();
+        // SAFETY: `p` is a fresh mapping of `len` bytes, unmapped only below.
+        let s = unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), len) };
+        assert!(s.iter().all(|&b| b == 0));
+        s.fill(1);
+        // SAFETY: exactly the mapping above; `s` is not used again.
+        unsafe { unmap(p, len) };
+    }
+}

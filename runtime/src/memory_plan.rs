@@ -1,0 +1,352 @@
+//! The one memory planner: every byte budget sluice keeps (resident weights, expert cache, KV per sequence,
+//! the margin; on a Mac running the mlx backend, Metal's working-set limit) computed in one place from the
+//! machine's facts, the model's footprint and the user's flags. Later budgets (a draft model, a prefix
+//! cache) add their line here.
+//!
+//! The rule:
+//! - **limit** = available memory now; with the mlx backend on macOS, at most Metal's working-set limit
+//!   (weights, slots and KV are GPU buffers there).
+//! - **margin** = max(1 GiB, total / 32): activations, tokenizer, allocator slack.
+//! - **KV per sequence** = (K and V of every full-attention layer + recurrent state) for the context limit
+//!   when one is given (`--ctx-size`), else for min(model context, 32768) tokens.
+//! - **room for experts** = limit − resident weights − KV − margin.
+//! - `--experts auto` keeps every expert resident when they fit in that room, else streams them.
+//! - The streamed **expert cache** (slots under a hard budget) is `--expert-cache` when given, else an
+//!   eighth of available memory (at least 256 MiB, at most the experts themselves): the OS page cache is
+//!   the second tier and keeps the rest.
+
+use std::fmt;
+
+use crate::experts::ExpertMode;
+
+/// The machine's memory, as the platform module reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MachineMemory {
+    /// Physical memory.
+    pub total: u64,
+    /// Memory the OS can hand out now without paging.
+    pub available: u64,
+    /// The GPU's working-set limit (macOS), if it has one.
+    pub gpu_working_set: Option<u64>,
+    /// Whether the numbers came from the OS (else they are the 8 GiB fallback).
+    pub measured: bool,
+}
+
+/// What is assumed when the OS does not say: a small machine.
+const FALLBACK_MEMORY: u64 = 8 << 30;
+
+impl MachineMemory {
+    /// Asks the OS (see [`expert_store::platform`]).
+    pub fn probe() -> Self {
+        use expert_store::platform;
+        match (platform::total_memory(), platform::available_memory()) {
+            (Some(total), Some(available)) => Self {
+                total,
+                available: available.min(total),
+                gpu_working_set: platform::gpu_working_set_limit(),
+                measured: true,
+            },
+            _ => Self {
+                total: FALLBACK_MEMORY,
+                available: FALLBACK_MEMORY,
+                gpu_working_set: None,
+                measured: false,
+            },
+        }
+    }
+}
+
+/// A model's memory needs, from its tensors and shapes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ModelFootprint {
+    /// Every weight that stays in memory: embeddings, attention, routers, norms, shared experts, head.
+    pub resident_weights: u64,
+    /// Every routed-expert record.
+    pub expert_bytes: u64,
+    /// K and V of one token over every full-attention layer.
+    pub kv_bytes_per_token: u64,
+    /// Fixed per-sequence state (hybrid models' recurrent and conv state).
+    pub state_bytes: u64,
+    /// The model's own context limit.
+    pub context_length: usize,
+}
+
+/// What the user asked for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PlanRequest {
+    /// `--experts`.
+    pub mode: ExpertMode,
+    /// `--expert-cache`.
+    pub cache_bytes: Option<u64>,
+    /// `--ctx-size`.
+    pub context: Option<usize>,
+    /// The weights live in GPU buffers under the working-set limit (the mlx backend on macOS).
+    pub gpu_buffers: bool,
+}
+
+/// Where the routed experts live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertPlacement {
+    /// Every record read into slots at load.
+    Resident,
+    /// Records read on demand into the budgeted slot cache.
+    Stream,
+    /// Records viewed in place through the OS's mapping of the files.
+    Mmap,
+}
+
+/// Every budget, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryPlan {
+    /// The facts it started from.
+    pub machine: MachineMemory,
+    /// The model it is for.
+    pub model: ModelFootprint,
+    /// The ceiling every budget below shares.
+    pub limit: u64,
+    /// Kept free.
+    pub margin: u64,
+    /// Tokens the KV budget covers.
+    pub kv_tokens: usize,
+    /// KV and recurrent state of one sequence.
+    pub kv_per_sequence: u64,
+    /// Where the experts live.
+    pub placement: ExpertPlacement,
+    /// Bytes of expert records held in slots (all of them when resident).
+    pub expert_cache: u64,
+}
+
+/// KV tokens reserved when no context limit is given.
+pub const DEFAULT_KV_TOKENS: usize = 32768;
+
+/// Smallest default expert cache.
+const MIN_DEFAULT_CACHE: u64 = 256 << 20;
+
+impl MemoryPlan {
+    /// Applies the rule in the module docs.
+    pub fn new(machine: MachineMemory, model: ModelFootprint, req: &PlanRequest) -> Self {
+        let limit = match (req.gpu_buffers, machine.gpu_working_set) {
+            (true, Some(gpu)) => machine.available.min(gpu),
+            _ => machine.available,
+        };
+        let margin = (machine.total / 32).max(1 << 30);
+        let kv_tokens = req
+            .context
+            .unwrap_or(DEFAULT_KV_TOKENS.min(model.context_length.max(1)));
+        let kv_per_sequence = model
+            .kv_bytes_per_token
+            .saturating_mul(kv_tokens as u64)
+            .saturating_add(model.state_bytes);
+        let room = limit
+            .saturating_sub(model.resident_weights)
+            .saturating_sub(kv_per_sequence)
+            .saturating_sub(margin);
+        let placement = match req.mode {
+            ExpertMode::Resident => ExpertPlacement::Resident,
+            ExpertMode::Mmap => ExpertPlacement::Mmap,
+            ExpertMode::Stream => ExpertPlacement::Stream,
+            ExpertMode::Auto if req.cache_bytes.is_none() && model.expert_bytes <= room => ExpertPlacement::Resident,
+            ExpertMode::Auto => ExpertPlacement::Stream,
+        };
+        let expert_cache = match placement {
+            ExpertPlacement::Resident | ExpertPlacement::Mmap => model.expert_bytes,
+            ExpertPlacement::Stream => req.cache_bytes.unwrap_or_else(|| {
+                (machine.available / 8)
+                    .max(MIN_DEFAULT_CACHE)
+                    .min(model.expert_bytes.max(1))
+            }),
+        };
+        Self {
+            machine,
+            model,
+            limit,
+            margin,
+            kv_tokens,
+            kv_per_sequence,
+            placement,
+            expert_cache,
+        }
+    }
+
+    /// What every budget adds up to.
+    pub fn total(&self) -> u64 {
+        let experts = match self.placement {
+            ExpertPlacement::Mmap => 0,
+            _ => self.expert_cache,
+        };
+        self.model.resident_weights + experts + self.kv_per_sequence + self.margin
+    }
+}
+
+fn gib(b: u64) -> String {
+    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+impl fmt::Display for MemoryPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let m = &self.machine;
+        writeln!(
+            f,
+            "memory plan: total {}, available {}{}{}",
+            gib(m.total),
+            gib(m.available),
+            m.gpu_working_set
+                .map_or(String::new(), |g| format!(", GPU working set {}", gib(g))),
+            if m.measured { "" } else { " (unknown: assumed)" }
+        )?;
+        writeln!(f, "  limit            {:>11}", gib(self.limit))?;
+        writeln!(f, "  resident weights {:>11}", gib(self.model.resident_weights))?;
+        let experts = match self.placement {
+            ExpertPlacement::Resident => format!("{} (all resident)", gib(self.expert_cache)),
+            ExpertPlacement::Stream => format!(
+                "{} (streamed cache; experts total {})",
+                gib(self.expert_cache),
+                gib(self.model.expert_bytes)
+            ),
+            ExpertPlacement::Mmap => format!("{} (mmap: the OS decides)", gib(self.model.expert_bytes)),
+        };
+        writeln!(f, "  experts          {experts:>11}")?;
+        writeln!(
+            f,
+            "  KV per sequence  {:>11} ({} tokens)",
+            gib(self.kv_per_sequence),
+            self.kv_tokens
+        )?;
+        writeln!(f, "  margin           {:>11}", gib(self.margin))?;
+        write!(f, "  total            {:>11}", gib(self.total()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    /// A 64 GB Mac with 44.9 GB available (the `vm_statistics64` captured in the platform tests), Metal's
+    /// default working set (48 GiB). The README's table for a 64 GB Mac is these numbers.
+    fn mac_64gb() -> MachineMemory {
+        MachineMemory {
+            total: 64 * GIB,
+            available: 44_917_735_424,
+            gpu_working_set: Some(expert_store::platform::default_gpu_working_set(64 * GIB)),
+            measured: true,
+        }
+    }
+
+    /// Qwen3.5-122B-A10B at 4 bits (mlx-community layout): 48 layers × 256 experts of 3 matrices
+    /// 1024×3072 at 4.5 bits/weight; 12 full-attention layers × 2 KV heads × 256 dims; 36 linear layers with
+    /// a 64×128×128 f32 state and a 3-row conv history of 12288 channels; ~6.2 B resident parameters at
+    /// 4.5 bits (embedding and head 0.76 B each, attention and linear-attention projections, shared experts).
+    fn qwen35_122b() -> ModelFootprint {
+        let record = 3 * (1024 * 3072 / 2 + 2 * 2 * 1024 * 3072 / 64);
+        ModelFootprint {
+            resident_weights: 3_500_000_000,
+            expert_bytes: 48 * 256 * record,
+            kv_bytes_per_token: 12 * 2 * 2 * 256 * 4,
+            state_bytes: 36 * (64 * 128 * 128 + 3 * 12288) * 4,
+            context_length: 262_144,
+        }
+    }
+
+    #[test]
+    fn a_64gb_mac_streams_qwen35_122b_with_these_budgets() {
+        let machine = mac_64gb();
+        let model = qwen35_122b();
+        assert_eq!(model.expert_bytes, 65_229_815_808);
+        let cpu = MemoryPlan::new(machine, model, &PlanRequest::default());
+        assert_eq!(cpu.limit, machine.available);
+        assert_eq!(cpu.margin, 2 * GIB);
+        assert_eq!(cpu.kv_tokens, 32768);
+        assert_eq!(cpu.kv_per_sequence, 32768 * 49152 + 36 * (1_048_576 + 36864) * 4);
+        assert_eq!(cpu.placement, ExpertPlacement::Stream);
+        assert_eq!(cpu.expert_cache, machine.available / 8);
+        assert_eq!(cpu.expert_cache, 5_614_716_928);
+        assert_eq!(cpu.kv_per_sequence, 1_766_916_096);
+        assert_eq!(cpu.total(), 13_029_116_672);
+        // On Metal the same machine is capped by the working set (48 GiB > 45 GB available: no change).
+        let gpu = MemoryPlan::new(
+            machine,
+            model,
+            &PlanRequest {
+                gpu_buffers: true,
+                ..Default::default()
+            },
+        );
+        assert_eq!(gpu.limit, machine.available);
+        assert!(gpu.total() < gpu.limit, "{gpu}");
+        let text = gpu.to_string();
+        assert!(
+            text.contains("GPU working set 48.00 GiB") && text.contains("streamed cache"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn auto_keeps_experts_resident_only_when_everything_fits() {
+        let machine = mac_64gb();
+        // Qwen3-30B-A3B at 4 bits: 16 GB of experts, 1 GB resident: resident on this Mac.
+        let small = ModelFootprint {
+            resident_weights: GIB,
+            expert_bytes: 16 * GIB,
+            kv_bytes_per_token: 48 * 2 * 4 * 128 * 4,
+            state_bytes: 0,
+            context_length: 40960,
+        };
+        let p = MemoryPlan::new(machine, small, &PlanRequest::default());
+        assert_eq!(p.placement, ExpertPlacement::Resident);
+        assert_eq!(p.expert_cache, 16 * GIB);
+        // The same model when the GPU may wire only 16 GiB: streamed.
+        let tight = MachineMemory {
+            gpu_working_set: Some(16 * GIB),
+            ..machine
+        };
+        let req = PlanRequest {
+            gpu_buffers: true,
+            ..Default::default()
+        };
+        assert_eq!(MemoryPlan::new(tight, small, &req).placement, ExpertPlacement::Stream);
+        // An explicit cache size means streaming, and is kept as given.
+        let req = PlanRequest {
+            cache_bytes: Some(3 * GIB),
+            ..Default::default()
+        };
+        let p = MemoryPlan::new(machine, small, &req);
+        assert_eq!((p.placement, p.expert_cache), (ExpertPlacement::Stream, 3 * GIB));
+        // A context limit sizes the KV budget exactly.
+        let req = PlanRequest {
+            context: Some(1000),
+            ..Default::default()
+        };
+        assert_eq!(
+            MemoryPlan::new(machine, small, &req).kv_per_sequence,
+            1000 * 48 * 2 * 4 * 128 * 4
+        );
+    }
+
+    #[test]
+    fn the_default_cache_stays_between_256_mib_and_the_experts() {
+        let tiny = MachineMemory {
+            total: GIB,
+            available: GIB,
+            gpu_working_set: None,
+            measured: true,
+        };
+        let model = ModelFootprint {
+            expert_bytes: 100 * GIB,
+            context_length: 10,
+            ..Default::default()
+        };
+        let p = MemoryPlan::new(tiny, model, &PlanRequest::default());
+        assert_eq!((p.placement, p.expert_cache), (ExpertPlacement::Stream, 256 << 20));
+        let few = ModelFootprint {
+            expert_bytes: 1000,
+            ..model
+        };
+        let req = PlanRequest {
+            mode: ExpertMode::Stream,
+            ..Default::default()
+        };
+        assert_eq!(MemoryPlan::new(mac_64gb(), few, &req).expert_cache, 1000);
+    }
+}
