@@ -7,8 +7,10 @@
 //!   computation (an [`ExpertRecord`] clone keeps the `Arc` alive) is never chosen for eviction.
 //! - Demand reads are queued ahead of prefetches; a prefetch a step turns out to need is promoted.
 //! - Prefetches only take free slots or evict entries that are neither pinned nor unused prefetches.
+//! - A record has at most one entry and one read: an expert asked for twice in one fetch, or by two
+//!   fetches, shares the first request's read (a second read would replace the entry and lose a slot).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -90,6 +92,9 @@ struct Inner {
     verify: bool,
     slots: usize,
     slot_len: usize,
+    /// Times a fetch blocked waiting for a read to land.
+    #[cfg(test)]
+    fetch_waits: std::sync::atomic::AtomicUsize,
 }
 
 /// Serves expert records from disk through a budgeted cache of persistent slots.
@@ -107,14 +112,16 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl StreamingSource {
     /// Starts the I/O threads and allocates the slots for `table` under `opts.cache_bytes`.
     pub fn new(table: RecordTable, opts: &EngineOptions) -> Result<Self, StoreError> {
-        let slot_len = SlotBuf::slot_len(table.max_slot_len());
+        let record_len = table.max_slot_len();
+        let slot_len = SlotBuf::slot_len(record_len);
         if table.is_empty() {
             return Err(StoreError::Engine("no expert records to serve".into()));
         }
         let slots = ((opts.cache_bytes / slot_len as u64) as usize).min(table.len());
         if slots == 0 {
             return Err(StoreError::Engine(format!(
-                "expert cache budget of {} bytes is smaller than one record slot ({slot_len} bytes)",
+                "expert cache budget of {} bytes is smaller than one record slot ({slot_len} bytes, for records \
+                 of up to {record_len} bytes)",
                 opts.cache_bytes
             )));
         }
@@ -136,6 +143,8 @@ impl StreamingSource {
             verify: opts.verify,
             slots,
             slot_len,
+            #[cfg(test)]
+            fetch_waits: Default::default(),
         });
         let workers = (0..opts.io_depth.max(1))
             .map(|i| {
@@ -173,6 +182,57 @@ impl StreamingSource {
             }
         }
         Ok(())
+    }
+}
+
+/// Views into the engine's state for its unit tests.
+#[cfg(test)]
+impl StreamingSource {
+    /// (free slots, slots holding a loaded record): their sum is the slot count unless a slot leaked.
+    fn slot_census(&self) -> (usize, usize) {
+        let st = lock(&self.inner.state);
+        let loaded = (st.entries.iter())
+            .filter(|(_, e)| matches!(e.state, SlotState::Ready(_)))
+            .count();
+        (st.free.len(), loaded)
+    }
+
+    /// Times a fetch blocked waiting for a read to land.
+    fn fetch_waits(&self) -> usize {
+        self.inner.fetch_waits.load(Relaxed)
+    }
+
+    /// Keys of the loaded records, most recently used first.
+    fn resident(&self) -> Vec<Key> {
+        let st = lock(&self.inner.state);
+        (st.entries.iter())
+            .filter(|(_, e)| matches!(e.state, SlotState::Ready(_)))
+            .map(|(k, _)| *k)
+            .collect()
+    }
+
+    /// Blocks until no read is queued or in flight and every record has settled; panics after 10 s.
+    fn wait_idle(&self) {
+        let deadline = Instant::now() + std::time::Duration::from_secs(10);
+        let mut st = lock(&self.inner.state);
+        loop {
+            let loading = st.entries.iter().any(|(_, e)| matches!(e.state, SlotState::Loading));
+            let q = lock(&self.inner.queue);
+            let busy = q.in_flight > 0 || !q.demand.is_empty() || !q.prefetch.is_empty();
+            drop(q);
+            if !loading && !busy {
+                return;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            assert!(!left.is_zero(), "engine still busy after 10 s");
+            let step = left.min(std::time::Duration::from_millis(20));
+            st = self
+                .inner
+                .arrived
+                .wait_timeout(st, step)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
     }
 }
 
@@ -220,6 +280,7 @@ impl Inner {
     }
 
     fn submit(&self, st: &mut State, key: Key, buf: Arc<SlotBuf>, prefetch: bool) -> Result<(), StoreError> {
+        debug_assert!(!st.entries.contains(&key), "second read of {key:?}");
         let bytes = self.layout(key)?.read_len();
         st.entries.put(
             key,
@@ -347,6 +408,13 @@ impl Inner {
         Ok(total)
     }
 
+    /// Blocks until a read lands or fails (the caller re-checks what it waits for).
+    fn wait_arrival<'a>(&'a self, st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        #[cfg(test)]
+        self.fetch_waits.fetch_add(1, Relaxed);
+        self.arrived.wait(st).unwrap_or_else(|e| e.into_inner())
+    }
+
     fn record_of(&self, key: Key, buf: &Arc<SlotBuf>) -> Result<ExpertRecord, StoreError> {
         let whole = OwnedBytes::new(Arc::clone(buf) as Arc<dyn AsRef<[u8]> + Send + Sync>);
         let parts = (self.layout(key)?.parts.iter())
@@ -375,16 +443,64 @@ struct LayerFetch<'a> {
     waiting: Vec<usize>,
     /// Positions with no slot yet (the budget is smaller than the layer's working set).
     unsubmitted: VecDeque<usize>,
+    /// (position, earlier position asking for the same expert): served with that position's record.
+    duplicates: Vec<(usize, usize)>,
 }
 
 impl LayerFetch<'_> {
+    /// Queues a copy of `rec`, the record for `pos`, for every later position that asked for it too.
+    fn queue_duplicates(&mut self, pos: usize, rec: &ExpertRecord) {
+        let mut i = 0;
+        while i < self.duplicates.len() {
+            if self.duplicates[i].1 == pos {
+                let (dup, _) = self.duplicates.swap_remove(i);
+                self.ready.push((dup, rec.clone()));
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Gives each position without a slot one, in order, while slots can be had. A record that another
+    /// fetch or a prefetch has requested meanwhile is shared, never read a second time.
     fn submit_pending(&mut self, st: &mut State) -> Result<(), StoreError> {
+        let inner = self.inner;
         while let Some(&pos) = self.unsubmitted.front() {
-            let Some(buf) = self.inner.take_slot(st, false) else {
+            let key = (self.layer, self.experts[pos]);
+            let mut failed = false;
+            if let Some(e) = st.entries.get_mut(&key) {
+                match &e.state {
+                    SlotState::Ready(b) => {
+                        if std::mem::take(&mut e.unused_prefetch) {
+                            inner.counters.prefetch_hits.fetch_add(1, Relaxed);
+                        }
+                        let rec = inner.record_of(key, b)?;
+                        self.unsubmitted.pop_front();
+                        self.queue_duplicates(pos, &rec);
+                        self.ready.push((pos, rec));
+                        continue;
+                    }
+                    SlotState::Loading => {
+                        if std::mem::take(&mut e.unused_prefetch) {
+                            inner.counters.prefetch_hits.fetch_add(1, Relaxed);
+                        }
+                        e.waiters += 1;
+                        inner.promote(key);
+                        self.unsubmitted.pop_front();
+                        self.waiting.push(pos);
+                        continue;
+                    }
+                    SlotState::Failed(_) => failed = true,
+                }
+            }
+            if failed {
+                st.entries.pop(&key);
+            }
+            let Some(buf) = inner.take_slot(st, false) else {
                 break;
             };
             self.unsubmitted.pop_front();
-            self.inner.submit(st, (self.layer, self.experts[pos]), buf, false)?;
+            inner.submit(st, key, buf, false)?;
             self.waiting.push(pos);
         }
         Ok(())
@@ -396,6 +512,9 @@ impl LayerFetch<'_> {
         let mut st = lock(&inner.state);
         let result = loop {
             self.submit_pending(&mut st)?;
+            if let Some(r) = self.ready.pop() {
+                break Ok(r);
+            }
             let mut found = None;
             for (i, &pos) in self.waiting.iter().enumerate() {
                 let key = (self.layer, self.experts[pos]);
@@ -419,9 +538,14 @@ impl LayerFetch<'_> {
                 }
             }
             match found {
-                Some((i, Arrival::Ready(rec))) => break Ok((self.waiting.swap_remove(i), rec)),
+                Some((i, Arrival::Ready(rec))) => {
+                    let pos = self.waiting.swap_remove(i);
+                    self.queue_duplicates(pos, &rec);
+                    break Ok((pos, rec));
+                }
                 Some((i, Arrival::Failed(msg))) => {
-                    self.waiting.swap_remove(i);
+                    let pos = self.waiting.swap_remove(i);
+                    self.duplicates.retain(|&(_, first)| first != pos);
                     break Err(StoreError::Read(msg));
                 }
                 Some((i, Arrival::Lost)) => {
@@ -429,18 +553,19 @@ impl LayerFetch<'_> {
                     self.unsubmitted.push_back(pos);
                 }
                 None if self.waiting.is_empty() && !self.unsubmitted.is_empty() => {
-                    let busy = lock(&inner.queue);
-                    let idle = busy.in_flight == 0 && busy.demand.is_empty() && busy.prefetch.is_empty();
-                    drop(busy);
-                    if idle {
+                    // No slot and no read of ours to wait for: wait only while some other read (a prefetch,
+                    // another fetch's) is still to land, as it may free a slot. Judged from the entries,
+                    // which change under this lock when a read lands (the queue's count drops before).
+                    let loading = (st.entries.iter()).any(|(_, e)| matches!(e.state, SlotState::Loading));
+                    if !loading {
                         break Err(StoreError::Engine(format!(
                             "expert cache of {} slots is too small: every slot is held by a computation",
                             inner.slots
                         )));
                     }
-                    st = inner.arrived.wait(st).unwrap_or_else(|e| e.into_inner());
+                    st = inner.wait_arrival(st);
                 }
-                None => st = inner.arrived.wait(st).unwrap_or_else(|e| e.into_inner()),
+                None => st = inner.wait_arrival(st),
             }
         };
         inner
@@ -467,11 +592,12 @@ impl Drop for LayerFetch<'_> {
 }
 
 impl LayerFetch<'_> {
-    /// Takes every waiting record that has arrived, without blocking.
-    fn take_arrived(&mut self, max: usize, out: &mut Vec<(usize, ExpertRecord)>) -> Result<(), StoreError> {
-        let mut st = lock(&self.inner.state);
+    /// Moves every waiting record that has arrived to `ready` (until it holds `max`), without blocking.
+    fn take_arrived(&mut self, max: usize) -> Result<(), StoreError> {
+        let inner = self.inner;
+        let mut st = lock(&inner.state);
         let mut i = 0;
-        while i < self.waiting.len() && out.len() < max {
+        while i < self.waiting.len() && self.ready.len() < max {
             let key = (self.layer, self.experts[self.waiting[i]]);
             match st.entries.get_mut(&key) {
                 Some(Entry {
@@ -480,8 +606,10 @@ impl LayerFetch<'_> {
                     ..
                 }) => {
                     *waiters = waiters.saturating_sub(1);
-                    let rec = self.inner.record_of(key, b)?;
-                    out.push((self.waiting.swap_remove(i), rec));
+                    let rec = inner.record_of(key, b)?;
+                    let pos = self.waiting.swap_remove(i);
+                    self.queue_duplicates(pos, &rec);
+                    self.ready.push((pos, rec));
                 }
                 _ => i += 1,
             }
@@ -504,20 +632,20 @@ impl ExpertFetch for LayerFetch<'_> {
     fn next_batch(&mut self, max: usize) -> Option<Result<Vec<(usize, ExpertRecord)>, StoreError>> {
         let max = max.max(1);
         let mut batch = Vec::new();
-        while batch.len() < max {
-            match self.ready.pop() {
-                Some(r) => batch.push(r),
-                None => break,
-            }
-        }
-        if batch.is_empty() {
+        if self.ready.is_empty() {
             match self.next_ready()? {
                 Ok(r) => batch.push(r),
                 Err(e) => return Some(Err(e)),
             }
         }
-        if let Err(e) = self.take_arrived(max, &mut batch) {
+        if let Err(e) = self.take_arrived(max) {
             return Some(Err(e));
+        }
+        while batch.len() < max {
+            match self.ready.pop() {
+                Some(r) => batch.push(r),
+                None => break,
+            }
         }
         Some(Ok(batch))
     }
@@ -543,10 +671,18 @@ impl ExpertSource for StreamingSource {
             ready: Vec::new(),
             waiting: Vec::new(),
             unsubmitted: VecDeque::new(),
+            duplicates: Vec::new(),
         };
         let c = &inner.counters;
         let mut st = lock(&inner.state);
+        // The first position asking for each expert; later ones get a copy of its record (one read, one slot).
+        let mut first: HashMap<usize, usize> = HashMap::with_capacity(experts.len());
         for (pos, &e) in experts.iter().enumerate() {
+            if let Some(&earlier) = first.get(&e) {
+                f.duplicates.push((pos, earlier));
+                continue;
+            }
+            first.insert(e, pos);
             let key = (layer, e);
             let mut failed = false;
             match st.entries.get_mut(&key) {
@@ -581,8 +717,11 @@ impl ExpertSource for StreamingSource {
                 f.unsubmitted.push_back(pos);
             }
         }
-        // Hits are handed out in request order (popped from the back).
-        f.ready.reverse();
+        // Hits are handed out in request order (popped from the back), each followed by its duplicates.
+        for (pos, rec) in std::mem::take(&mut f.ready).into_iter().rev() {
+            f.queue_duplicates(pos, &rec);
+            f.ready.push((pos, rec));
+        }
         f.submit_pending(&mut st)?;
         Ok(Box::new(f))
     }
@@ -648,3 +787,6 @@ impl ExpertSource for StreamingSource {
         Some(self.inner.slot_len)
     }
 }
+
+#[cfg(test)]
+mod tests;

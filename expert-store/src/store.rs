@@ -3,7 +3,6 @@
 //! tokenizer stay in the original model directory, which the manifest references.
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -355,26 +354,46 @@ pub fn convert(
         total += record_len * s.num_experts as u64;
     }
     let tmp = out.join(format!("{DATA_FILE}.partial"));
-    let file = File::create(&tmp).map_err(io_err(&tmp))?;
-    let mut w = std::io::BufWriter::with_capacity(8 << 20, file);
+    // Records are whole aligned blocks written from an aligned buffer, so the data file can bypass the page
+    // cache: converting a model bigger than memory then holds one record, not gigabytes of dirty pages.
+    let (mut file, mut uncached) = crate::platform::create_uncached(&tmp).map_err(io_err(&tmp))?;
+    let max_record = layers.iter().map(|(_, _, len)| *len).max().unwrap_or(align);
+    let mut buf = crate::SlotBuf::allocate(1, max_record as usize)
+        .and_then(|mut v| v.pop())
+        .ok_or_else(|| bad(&tmp, format!("cannot allocate a {max_record}-byte record buffer")))?;
     let mut offset = 0u64;
     let mut manifest_layers = Vec::new();
-    let mut record = Vec::new();
     for (s, parts, record_len) in layers {
         let tensors: Vec<_> = s.tensors.iter().map(|n| ckpt.require(n)).collect::<Result<_, _>>()?;
         let mut records = Vec::with_capacity(s.num_experts);
         for e in 0..s.num_experts {
-            record.clear();
-            record.resize(record_len as usize, 0);
+            let record = &mut buf.as_mut_slice()[..record_len as usize];
+            record.fill(0);
             for (p, t) in parts.iter().zip(&tensors) {
                 let len = p.len as usize;
                 let src = &t.bytes()[e * len..(e + 1) * len];
                 record[p.offset as usize..p.offset as usize + len].copy_from_slice(src);
             }
-            w.write_all(&record).map_err(io_err(&tmp))?;
+            match file.write_all(record) {
+                Ok(()) => {}
+                // A filesystem that accepts O_DIRECT at open but refuses the write: go on through the cache.
+                Err(e) if uncached && e.kind() == std::io::ErrorKind::InvalidInput => {
+                    crate::platform::set_cached(&file).map_err(io_err(&tmp))?;
+                    uncached = false;
+                    use std::io::Seek;
+                    file.seek(std::io::SeekFrom::Start(offset)).map_err(io_err(&tmp))?;
+                    file.write_all(record).map_err(io_err(&tmp))?;
+                }
+                Err(e) => return Err(io_err(&tmp)(e)),
+            }
+            // Through the cache, keep the dirty pages bounded: flush every 256 MiB.
+            if !uncached && (offset + record_len) / (256 << 20) != offset / (256 << 20) {
+                file.sync_data().map_err(io_err(&tmp))?;
+            }
+            let record = &buf.as_ref()[..record_len as usize];
             records.push(RecordManifest {
                 offset,
-                xxh3: format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&record)),
+                xxh3: format!("{:016x}", xxhash_rust::xxh3::xxh3_64(record)),
             });
             offset += record_len;
             (opts.progress)(offset, total);
@@ -386,7 +405,6 @@ pub fn convert(
             records,
         });
     }
-    let file = w.into_inner().map_err(|e| io_err(&tmp)(e.into_error()))?;
     file.sync_all().map_err(io_err(&tmp))?;
     drop(file);
     let data = out.join(DATA_FILE);

@@ -6,9 +6,10 @@ use std::time::{Duration, Instant};
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::experts::{ExpertOptions, ModelLocation};
 use crate::layers::{DecoderModel, ForwardOptions};
+use crate::location::ModelLocation;
 use crate::models::load_located;
+use crate::options::ExpertOptions;
 use crate::sampling::{Sampler, SamplingParams};
 use crate::text::{ChatMessage, StopMatcher, StreamDecoder, TextCodec};
 

@@ -463,6 +463,10 @@ pub struct ModelInfo {
     pub router: RouterKind,
     /// Decoder layers.
     pub num_layers: usize,
+    /// Layers with routed experts.
+    pub moe_layers: usize,
+    /// Bytes of the largest expert record (what one miss reads).
+    pub expert_record_bytes: u64,
 }
 
 /// Embedding → decoder layers → final norm → output head.

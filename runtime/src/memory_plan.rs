@@ -17,7 +17,7 @@
 
 use std::fmt;
 
-use crate::experts::ExpertMode;
+use crate::options::ExpertMode;
 
 /// The machine's memory, as the platform module reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -8,8 +8,8 @@ use expert_store::{Checkpoint, Dtype, PackedStore, StackedExperts, TensorInfo};
 use crate::config::ModelConfig;
 use crate::cpu::{FloatType, MatRef};
 use crate::error::{ModelError, Result};
-use crate::experts::ExpertOptions;
 use crate::linear::{Linear, WeightFormat};
+use crate::options::ExpertOptions;
 use crate::quant::QuantMode;
 
 /// Prefix MLX VLM-style checkpoints put before the language model's weights.

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use expert_store::{CounterSnapshot, PosixFile, ReadAt, RecordTable, SlotBuf, DIRECT_ALIGN};
+use expert_store::{CounterSnapshot, PosixFile, ReadAt, SlotBuf, DIRECT_ALIGN};
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use sluice_runtime::{DecoderModel, ForwardOptions, Part, Pipeline};
@@ -158,7 +158,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
                 .collect()
         }
     };
-    let (record_bytes, moe_layers) = record_facts(&a.model, m)?;
+    let (record_bytes, moe_layers) = (m.info.expert_record_bytes, m.info.moe_layers);
     let counters = m.expert_counters();
     let streaming = counters.is_some();
     let mut runs = Vec::new();
@@ -280,20 +280,6 @@ fn time_split(m: &DecoderModel, before: &[(Part, f64)], io_wait: f64, secs: f64)
     split.push(("io_wait".into(), io_wait / secs));
     split.push(("other".into(), (secs - accounted - io_wait).max(0.0) / secs));
     split
-}
-
-/// Bytes of one expert record (packed and padded, or the sum of its in-place parts) and the MoE layer count.
-fn record_facts(path: &Path, m: &DecoderModel) -> Result<(u64, usize)> {
-    let layers = m.expert_stacks.len();
-    if expert_store::is_store(path) {
-        let s = expert_store::PackedStore::open(path)?;
-        let max = s.manifest().layers.iter().map(|l| l.record_len).max().unwrap_or(0);
-        return Ok((max, layers));
-    }
-    let ck = expert_store::Checkpoint::open(path)?;
-    let t = RecordTable::in_place(&ck, &m.expert_stacks, false)?;
-    let bytes = t.record(m.expert_stacks[0].layer, 0).map_or(0, |r| r.read_len() as u64);
-    Ok((bytes, layers))
 }
 
 /// Random reads of `record` bytes at `depth` over the expert data, bypassing the page cache when the

@@ -11,7 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use sluice_runtime::{ChatMessage, GenerateParams, Pipeline, Prompt, SamplingParams};
+use sluice_runtime::{ChatMessage, GenerateParams, GenerationStats, Pipeline, Prompt, SamplingParams};
 
 /// A running server, killed on drop.
 struct Server {
@@ -110,6 +110,11 @@ fn sse(body: &str) -> Vec<Value> {
 }
 
 fn greedy(prompt: Prompt, max: usize) -> String {
+    greedy_with_stats(prompt, max).0
+}
+
+/// The text `generate` writes greedily, with its statistics (prompt and generated token counts).
+fn greedy_with_stats(prompt: Prompt, max: usize) -> (String, GenerationStats) {
     let p = Pipeline::load(&fixture("qwen3_moe-q4g64")).unwrap();
     let mut text = String::new();
     let params = GenerateParams {
@@ -120,12 +125,13 @@ fn greedy(prompt: Prompt, max: usize) -> String {
         },
         ..GenerateParams::default()
     };
-    p.generate(&prompt, &params, |t| {
-        text.push_str(t);
-        true
-    })
-    .unwrap();
-    text
+    let stats = p
+        .generate(&prompt, &params, |t| {
+            text.push_str(t);
+            true
+        })
+        .unwrap();
+    (text, stats)
 }
 
 #[test]
@@ -136,15 +142,27 @@ fn endpoints_match_generate_streaming_and_not() {
     let v: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["data"][0]["id"], "fox");
 
-    let want = greedy(Prompt::Chat(vec![ChatMessage::new("user", "Name a fox.")]), 12);
+    let (want, stats) = greedy_with_stats(Prompt::Chat(vec![ChatMessage::new("user", "Name a fox.")]), 12);
     let req = json!({"model": "fox", "messages": [{"role": "user", "content": "Name a fox."}], "max_tokens": 12, "temperature": 0});
     let (st, v) = post(&s, "/v1/chat/completions", &req);
     assert_eq!(st, 200, "{v}");
     assert_eq!(v["choices"][0]["message"]["content"], want.as_str());
+    // Usage counts what generate counted: the chat-templated prompt's tokens and the tokens generated.
     assert_eq!(
-        v["usage"]["completion_tokens"].as_u64().unwrap() as usize,
-        12.min(v["usage"]["completion_tokens"].as_u64().unwrap() as usize)
+        v["usage"]["prompt_tokens"].as_u64(),
+        Some(stats.prompt_tokens as u64),
+        "{v}"
     );
+    assert_eq!(
+        v["usage"]["completion_tokens"].as_u64(),
+        Some(stats.generated_tokens as u64),
+        "{v}"
+    );
+    assert_eq!(
+        v["usage"]["total_tokens"].as_u64(),
+        Some((stats.prompt_tokens + stats.generated_tokens) as u64)
+    );
+    assert!(stats.prompt_tokens > 5 && stats.generated_tokens <= 12, "{stats:?}");
     let mut streamed = req.clone();
     streamed["stream"] = json!(true);
     streamed["stream_options"] = json!({"include_usage": true});

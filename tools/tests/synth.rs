@@ -203,7 +203,30 @@ fn synthesized_models_load_and_generate() {
         assert!(!text.trim().is_empty(), "{shape}: no text");
         let (_, err) = ok(&["generate", "-m", o, "--chat", "Name a fox.", "-n", "4", "--ignore-eos"]);
         assert_eq!(generated(&err), 4, "{shape}: {err}");
-        // Streams like any model, and the logits stay finite (routing would fail on NaN otherwise).
+        // The logits stay finite over a prefill and a few decode steps, experts streamed through a 1 MiB cache.
+        let m = sluice_runtime::load_model_with(
+            &out,
+            sluice_runtime::config::ModelConfig::load(&out).unwrap(),
+            &sluice_runtime::ExpertOptions {
+                mode: sluice_runtime::ExpertMode::Stream,
+                cache_bytes: Some(1 << 20),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let mut cache = m.new_cache();
+        let vocab = m.info.vocab_size as u32;
+        let prompt: Vec<u32> = (0..5).map(|i| (i * 7919 + 11) % vocab).collect();
+        let mut logits = m.forward(&prompt, &mut cache, &Default::default()).unwrap();
+        for step in 0..3 {
+            let bad = logits.iter().filter(|x| !x.is_finite()).count();
+            assert_eq!(bad, 0, "{shape}: {bad} non-finite logits at step {step}");
+            assert!(logits.iter().any(|&x| x != logits[0]), "{shape}: constant logits");
+            let next = sluice_runtime::sampling::argmax(&logits);
+            logits = m.forward(&[next], &mut cache, &Default::default()).unwrap();
+        }
+        drop(m);
+        // And `generate` streams it like any model.
         let (_, err) = ok(&[
             "generate",
             "-m",
@@ -272,7 +295,9 @@ fn size_picks_the_layer_count_and_existing_dirs_need_force() {
     assert!(!refused.status.success() && err.contains("not empty") && err.contains("--force") && err.contains(o));
     assert_eq!(dir_bytes(&out), before);
     let bad = sluice(&["synth", "--shape", "gpt-9", "-o", o]);
+    assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown shape"));
     let bad = sluice(&["synth", "--shape", "bench-7b", "-o", o, "--hidden", "100", "--force"]);
+    assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("multiple of the group size"));
 }

@@ -5,10 +5,10 @@
 
 use serde::Deserialize;
 
-use super::{build_decoder, DecoderDims, FfnPlan};
+use super::{Architecture, DecoderDims, FfnPlan};
 use crate::config::RopeScaling;
 use crate::error::Result;
-use crate::layers::{DecoderModel, RouterKind};
+use crate::layers::RouterKind;
 use crate::ops::{AttnShape, Rope};
 use crate::weights::Weights;
 
@@ -47,8 +47,8 @@ fn default_ctx() -> usize {
     32768
 }
 
-/// Loads a `mixtral` checkpoint.
-pub fn load(w: &Weights) -> Result<DecoderModel> {
+/// Describes a `mixtral` checkpoint.
+pub fn describe(w: &Weights) -> Result<Architecture> {
     let c: MixtralConfig = w.config().typed()?;
     let attn = AttnShape::from_config(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim);
     let dims = DecoderDims {
@@ -65,10 +65,10 @@ pub fn load(w: &Weights) -> Result<DecoderModel> {
         top_k: c.num_experts_per_tok,
         hybrid: None,
     };
-    build_decoder(w, dims, |i| FfnPlan::Moe {
+    Ok(Architecture::new(dims, |i| FfnPlan::Moe {
         prefix: format!("model.layers.{i}.block_sparse_moe"),
         num_experts: c.num_local_experts,
         inter: c.intermediate_size,
         shared: None,
-    })
+    }))
 }

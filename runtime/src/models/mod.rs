@@ -9,26 +9,29 @@ use std::sync::Arc;
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::experts::{open_source, Backend, ExpertOptions, ModelLocation};
+use crate::expert_source::open_source;
 use crate::gated_delta::{DeltaShape, GatedDeltaNet};
 use crate::layers::{
     Attention, AttnSpec, DecoderLayer, DecoderModel, Ffn, Mixer, Mlp, ModelInfo, RouterKind, SharedExpert, SparseMoe,
 };
+use crate::location::ModelLocation;
 use crate::memory_plan::ModelFootprint;
 use crate::ops::{AttnShape, Rope};
-use crate::weights::Weights;
+use crate::options::{Backend, ExpertOptions};
+use crate::weights::{ExpertLayout, Weights};
+use expert_store::StackedExperts;
 
-type Loader = fn(&Weights) -> Result<DecoderModel>;
+type Describe = fn(&Weights) -> Result<Architecture>;
 
-/// `model_type` → loader.
-const REGISTRY: &[(&str, Loader)] = &[
-    ("qwen3_moe", qwen3_moe::load),
-    ("mixtral", mixtral::load),
-    ("qwen3_next", qwen3_next::load),
-    ("qwen3_5_moe", qwen3_next::load),
-    ("qwen3_5_moe_text", qwen3_next::load),
-    ("qwen3_5", qwen3_next::load),
-    ("qwen3_5_text", qwen3_next::load),
+/// `model_type` → the architecture's description of a checkpoint.
+const REGISTRY: &[(&str, Describe)] = &[
+    ("qwen3_moe", qwen3_moe::describe),
+    ("mixtral", mixtral::describe),
+    ("qwen3_next", qwen3_next::describe),
+    ("qwen3_5_moe", qwen3_next::describe),
+    ("qwen3_5_moe_text", qwen3_next::describe),
+    ("qwen3_5", qwen3_next::describe),
+    ("qwen3_5_text", qwen3_next::describe),
 ];
 
 /// The `model_type`s this build can load.
@@ -50,25 +53,14 @@ pub fn load_model_with(path: &Path, config: ModelConfig, opts: &ExpertOptions) -
 
 /// [`load_model_with`] for an already resolved location (the store's manifest is read once).
 pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &ExpertOptions) -> Result<DecoderModel> {
-    let dir = loc.model_dir();
-    let loader = REGISTRY
-        .iter()
-        .find(|(n, _)| *n == config.model_type)
-        .map(|(_, l)| *l)
-        .ok_or_else(|| ModelError::UnknownModelType(config.model_type.clone(), supported_model_types().join(", ")))?;
-    let mut weights = Weights::open(dir, config)?;
+    let mut weights = Weights::open(loc.model_dir(), config)?;
     weights.expert_opts = opts.clone();
     if let ModelLocation::Store(store, _) = loc {
         weights.store = Some(Arc::clone(store));
     }
-    if weights.checkpoint().names().any(|n| n.contains(".experts.0.")) {
-        return Err(ModelError::BadTensor {
-            name: "*.experts.0.*".into(),
-            message: "per-expert (Hugging Face) layout is not supported yet; convert with `mlx_lm.convert`".into(),
-        });
-    }
+    let arch = describe(&weights)?;
     #[allow(unused_mut)]
-    let mut model = loader(&weights)?;
+    let mut model = build_decoder(&weights, arch)?;
     match opts.backend {
         Backend::Cpu => {}
         #[cfg(feature = "mlx")]
@@ -81,6 +73,66 @@ pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &Expe
         }
     }
     Ok(model)
+}
+
+/// What the checkpoint's `model_type` says its layers are, checked against its tensors' names.
+pub(crate) fn describe(w: &Weights) -> Result<Architecture> {
+    let config = w.config();
+    let describe = REGISTRY
+        .iter()
+        .find(|(n, _)| *n == config.model_type)
+        .map(|(_, d)| *d)
+        .ok_or_else(|| ModelError::UnknownModelType(config.model_type.clone(), supported_model_types().join(", ")))?;
+    if w.checkpoint().names().any(|n| n.contains(".experts.0.")) {
+        return Err(ModelError::BadTensor {
+            name: "*.experts.0.*".into(),
+            message: "per-expert (Hugging Face) layout is not supported yet; convert with `mlx_lm.convert`".into(),
+        });
+    }
+    describe(w)
+}
+
+/// A decoder described from its config: the shapes shared by every layer, and each layer's FFN.
+pub(crate) struct Architecture {
+    pub dims: DecoderDims,
+    pub ffn: Vec<FfnPlan>,
+}
+
+impl Architecture {
+    /// `plan(i)` says what layer `i`'s FFN is.
+    pub fn new(dims: DecoderDims, plan: impl Fn(usize) -> FfnPlan) -> Self {
+        let ffn = (0..dims.layers).map(plan).collect();
+        Self { dims, ffn }
+    }
+
+    /// Experts per MoE layer (`None` for a dense model).
+    fn num_experts(&self) -> Option<usize> {
+        self.ffn.iter().find_map(|p| match p {
+            FfnPlan::Moe { num_experts, .. } => Some(*num_experts),
+            FfnPlan::Dense { .. } => None,
+        })
+    }
+
+    /// How each MoE layer's expert records are laid out, and where their stacked tensors are (what the
+    /// expert store serves and `sluice convert` packs), checked against the checkpoint's tensors.
+    pub fn expert_layouts(&self, w: &Weights) -> Result<(Vec<ExpertLayout>, Vec<StackedExperts>)> {
+        let mut formats = Vec::new();
+        let mut stacks = Vec::new();
+        for (i, p) in self.ffn.iter().enumerate() {
+            if let FfnPlan::Moe {
+                prefix,
+                num_experts,
+                inter,
+                ..
+            } = p
+            {
+                let (f, s) = w.stacked_experts(prefix, i, *num_experts, self.dims.hidden, *inter)?;
+                formats.push(f);
+                stacks.push(s);
+            }
+        }
+        Ok((formats, stacks))
+    }
 }
 
 /// What sits in a layer's FFN slot.
@@ -171,33 +223,13 @@ fn footprint(d: &DecoderDims) -> ModelFootprint {
 }
 
 /// Assembles embedding, layers (attention at `model.layers.N.self_attn`, or for hybrids linear attention at
-/// `model.layers.N.linear_attn`; FFN per `plan`), norm and head.
-pub(crate) fn build_decoder(w: &Weights, d: DecoderDims, plan: impl Fn(usize) -> FfnPlan) -> Result<DecoderModel> {
-    let plans: Vec<FfnPlan> = (0..d.layers).map(plan).collect();
-    let num_experts = plans.iter().find_map(|p| {
-        if let FfnPlan::Moe { num_experts, .. } = p {
-            Some(*num_experts)
-        } else {
-            None
-        }
-    });
-    d.validate(w.config(), num_experts.unwrap_or(0))?;
+/// `model.layers.N.linear_attn`; FFN per the architecture's plan), norm and head.
+pub(crate) fn build_decoder(w: &Weights, arch: Architecture) -> Result<DecoderModel> {
+    let num_experts = arch.num_experts();
+    arch.dims.validate(w.config(), num_experts.unwrap_or(0))?;
     // Expert layouts of every MoE layer first: one expert source serves them all.
-    let mut stacks = Vec::new();
-    let mut formats = Vec::new();
-    for (i, p) in plans.iter().enumerate() {
-        if let FfnPlan::Moe {
-            prefix,
-            num_experts,
-            inter,
-            ..
-        } = p
-        {
-            let (f, s) = w.stacked_experts(prefix, i, *num_experts, d.hidden, *inter)?;
-            formats.push(f);
-            stacks.push(s);
-        }
-    }
+    let (formats, stacks) = arch.expert_layouts(w)?;
+    let Architecture { dims: d, ffn: plans } = arch;
     let offset = d.hybrid.as_ref().map_or(0.0, |h| h.norm_offset);
     let norm = |path: &str| -> Result<Vec<f32>> {
         let mut v = w.vector(path, d.hidden)?;
@@ -280,6 +312,8 @@ pub(crate) fn build_decoder(w: &Weights, d: DecoderDims, plan: impl Fn(usize) ->
             default_top_k: d.top_k,
             router: d.router,
             num_layers: d.layers,
+            moe_layers: stacks.len(),
+            expert_record_bytes: crate::expert_source::record_bytes(w.checkpoint(), &stacks, w.store.as_deref()),
         },
         embed,
         layers,

@@ -6,10 +6,10 @@
 
 use serde::Deserialize;
 
-use super::{build_decoder, DecoderDims, FfnPlan};
+use super::{Architecture, DecoderDims, FfnPlan};
 use crate::config::RopeScaling;
 use crate::error::Result;
-use crate::layers::{DecoderModel, RouterKind};
+use crate::layers::RouterKind;
 use crate::ops::{AttnShape, Rope};
 use crate::weights::Weights;
 
@@ -62,8 +62,8 @@ impl Qwen3MoeConfig {
     }
 }
 
-/// Loads a `qwen3_moe` checkpoint.
-pub fn load(w: &Weights) -> Result<DecoderModel> {
+/// Describes a `qwen3_moe` checkpoint.
+pub fn describe(w: &Weights) -> Result<Architecture> {
     let c: Qwen3MoeConfig = w.config().typed()?;
     let attn = AttnShape::from_config(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim);
     let dims = DecoderDims {
@@ -82,7 +82,7 @@ pub fn load(w: &Weights) -> Result<DecoderModel> {
         top_k: c.num_experts_per_tok,
         hybrid: None,
     };
-    build_decoder(w, dims, |i| {
+    Ok(Architecture::new(dims, |i| {
         let prefix = format!("model.layers.{i}.mlp");
         if c.is_moe_layer(i) {
             FfnPlan::Moe {
@@ -97,5 +97,5 @@ pub fn load(w: &Weights) -> Result<DecoderModel> {
                 inter: c.intermediate_size,
             }
         }
-    })
+    }))
 }

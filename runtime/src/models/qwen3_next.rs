@@ -13,11 +13,11 @@
 
 use serde::Deserialize;
 
-use super::{build_decoder, DecoderDims, FfnPlan, Hybrid};
+use super::{Architecture, DecoderDims, FfnPlan, Hybrid};
 use crate::config::RopeScaling;
 use crate::error::Result;
 use crate::gated_delta::DeltaShape;
-use crate::layers::{DecoderModel, RouterKind};
+use crate::layers::RouterKind;
 use crate::ops::{AttnShape, Rope};
 use crate::weights::Weights;
 
@@ -110,8 +110,8 @@ impl Qwen3NextConfig {
     }
 }
 
-/// Loads a `qwen3_next` or `qwen3_5_moe` checkpoint.
-pub fn load(w: &Weights) -> Result<DecoderModel> {
+/// Describes a `qwen3_next` or `qwen3_5_moe` checkpoint.
+pub fn describe(w: &Weights) -> Result<Architecture> {
     let c: Qwen3NextConfig = w.config().typed()?;
     if let Some(t) = &c.layer_types {
         if t.len() != c.num_hidden_layers || t.iter().any(|k| k != "linear_attention" && k != "full_attention") {
@@ -161,7 +161,7 @@ pub fn load(w: &Weights) -> Result<DecoderModel> {
             norm_offset: if hf { 1.0 } else { 0.0 },
         }),
     };
-    build_decoder(w, dims, |i| {
+    Ok(Architecture::new(dims, |i| {
         let prefix = format!("model.layers.{i}.mlp");
         if c.is_moe_layer(i) {
             FfnPlan::Moe {
@@ -176,5 +176,5 @@ pub fn load(w: &Weights) -> Result<DecoderModel> {
                 inter: c.intermediate_size,
             }
         }
-    })
+    }))
 }

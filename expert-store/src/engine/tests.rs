@@ -1,0 +1,551 @@
+//! Unit tests of the streaming engine against an in-memory record table whose reads can be held back.
+
+use std::collections::HashMap;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use super::*;
+use crate::{CounterSnapshot, ReadAt, ReadOp, RecordLayout, SLOT_ALIGN};
+
+/// Bytes of each record (one slot of [`SLOT_ALIGN`] bytes each).
+const REC: usize = 4096;
+/// Where the second part of a record starts.
+const SPLIT: usize = 1000;
+const SLOT: u64 = SLOT_ALIGN as u64;
+const LAYER: usize = 3;
+const EXPERTS: usize = 8;
+/// Failure guard for anything that waits on another thread; never reached when the test passes.
+const GUARD: Duration = Duration::from_secs(10);
+
+/// The bytes of record (layer, expert): its key, then a pattern that differs between records.
+fn record_bytes(layer: usize, expert: usize) -> Vec<u8> {
+    let mut v: Vec<u8> = (0..REC)
+        .map(|i| (i as u8).wrapping_mul(31) ^ (expert as u8).wrapping_mul(101) ^ (layer as u8).wrapping_mul(7))
+        .collect();
+    v[..8].copy_from_slice(&(layer as u64).to_le_bytes());
+    v[8..16].copy_from_slice(&(expert as u64).to_le_bytes());
+    v
+}
+
+fn offset_of(expert: usize) -> u64 {
+    (expert * REC) as u64
+}
+
+#[derive(Default)]
+struct Gate {
+    closed: bool,
+    /// Offset of every read started, in order.
+    started: Vec<u64>,
+}
+
+/// The records of one layer in memory; reads are logged and can be held at a gate.
+struct MemFile {
+    data: Vec<u8>,
+    path: PathBuf,
+    gate: Mutex<Gate>,
+    changed: Condvar,
+}
+
+impl MemFile {
+    fn gate(&self) -> MutexGuard<'_, Gate> {
+        self.gate.lock().unwrap()
+    }
+
+    /// Reads started from now on block until [`MemFile::open`].
+    fn close(&self) {
+        self.gate().closed = true;
+    }
+
+    fn open(&self) {
+        self.gate().closed = false;
+        self.changed.notify_all();
+    }
+
+    /// Offsets of the reads started so far, in order.
+    fn reads(&self) -> Vec<u64> {
+        self.gate().started.clone()
+    }
+
+    /// Waits until `n` reads have started.
+    fn wait_started(&self, n: usize) {
+        let deadline = Instant::now() + GUARD;
+        let mut g = self.gate();
+        while g.started.len() < n {
+            let left = deadline.saturating_duration_since(Instant::now());
+            assert!(!left.is_zero(), "only {} of {n} reads started", g.started.len());
+            g = self.changed.wait_timeout(g, left).unwrap().0;
+        }
+    }
+}
+
+impl ReadAt for MemFile {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        let mut g = self.gate();
+        g.started.push(offset);
+        self.changed.notify_all();
+        let deadline = Instant::now() + GUARD;
+        while g.closed {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(io::Error::other("test gate never opened"));
+            }
+            g = self.changed.wait_timeout(g, left).unwrap().0;
+        }
+        drop(g);
+        let start = (offset as usize).min(self.data.len());
+        let n = buf.len().min(self.data.len() - start);
+        buf[..n].copy_from_slice(&self.data[start..start + n]);
+        Ok(n)
+    }
+
+    fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// A table of `EXPERTS` packed, checksummed records of layer `LAYER`, each one read of `REC` bytes in two
+/// parts.
+fn table() -> (RecordTable, Arc<MemFile>) {
+    let data: Vec<u8> = (0..EXPERTS).flat_map(|e| record_bytes(LAYER, e)).collect();
+    let layouts = (0..EXPERTS)
+        .map(|e| RecordLayout {
+            reads: vec![ReadOp {
+                file: 0,
+                offset: offset_of(e),
+                len: REC,
+                slot_offset: 0,
+                needed: REC,
+            }],
+            parts: vec![(0, SPLIT), (SPLIT, REC - SPLIT)],
+            checksum: Some(xxhash_rust::xxh3::xxh3_64(&data[e * REC..(e + 1) * REC])),
+        })
+        .collect();
+    let file = Arc::new(MemFile {
+        data,
+        path: PathBuf::from("/test/experts.bin"),
+        gate: Mutex::default(),
+        changed: Condvar::new(),
+    });
+    let files: Vec<Arc<dyn ReadAt>> = vec![file.clone()];
+    (RecordTable::new(files, HashMap::from([(LAYER, layouts)])), file)
+}
+
+fn options(cache_bytes: u64, io_depth: usize) -> EngineOptions {
+    EngineOptions {
+        cache_bytes,
+        io_depth,
+        verify: true,
+    }
+}
+
+/// An engine with `slots` slots and `io_depth` I/O threads.
+fn engine(slots: usize, io_depth: usize) -> (StreamingSource, Arc<MemFile>) {
+    let (t, file) = table();
+    let src = StreamingSource::new(t, &options(slots as u64 * SLOT, io_depth)).unwrap();
+    assert_eq!(src.slots(), (slots, SLOT_ALIGN));
+    (src, file)
+}
+
+fn keys(experts: &[usize]) -> Vec<Key> {
+    experts.iter().map(|&e| (LAYER, e)).collect()
+}
+
+fn offsets(experts: &[usize]) -> Vec<u64> {
+    experts.iter().map(|&e| offset_of(e)).collect()
+}
+
+fn assert_record(rec: &ExpertRecord, expert: usize) {
+    let lens: Vec<usize> = rec.parts.iter().map(|p| p.len()).collect();
+    assert_eq!(lens, [SPLIT, REC - SPLIT], "parts of expert {expert}");
+    let got: Vec<u8> = rec.parts.iter().flat_map(|p| p.iter().copied()).collect();
+    assert!(
+        got == record_bytes(LAYER, expert),
+        "record of expert {expert} has wrong bytes"
+    );
+}
+
+/// Address of the slot a record lives in.
+fn slot_of(rec: &ExpertRecord) -> usize {
+    rec.parts[0].as_ptr() as usize
+}
+
+/// Reads one record and checks its bytes.
+fn read(src: &StreamingSource, expert: usize) -> ExpertRecord {
+    let rec = src.read_expert(LAYER, expert).unwrap();
+    assert_record(&rec, expert);
+    rec
+}
+
+fn counters(src: &StreamingSource) -> CounterSnapshot {
+    src.counters().unwrap().snapshot()
+}
+
+/// Fetches `experts` at once, holding every record until all have arrived (with `next_batch` or
+/// `next_ready`); checks each position is handed out once, with the record asked for at that position.
+fn fetch_all(src: &StreamingSource, experts: &[usize], batched: bool) -> Result<Vec<ExpertRecord>, StoreError> {
+    fn put(got: &mut [Option<ExpertRecord>], experts: &[usize], pos: usize, rec: ExpertRecord) {
+        assert!(pos < experts.len(), "position {pos} out of range");
+        assert!(got[pos].is_none(), "position {pos} handed out twice");
+        assert_record(&rec, experts[pos]);
+        got[pos] = Some(rec);
+    }
+    let mut f = src.fetch_layer(LAYER, experts)?;
+    let mut got: Vec<Option<ExpertRecord>> = vec![None; experts.len()];
+    if batched {
+        while let Some(batch) = f.next_batch(usize::MAX) {
+            for (pos, rec) in batch? {
+                put(&mut got, experts, pos, rec);
+            }
+        }
+    } else {
+        while let Some(r) = f.next_ready() {
+            let (pos, rec) = r?;
+            put(&mut got, experts, pos, rec);
+        }
+    }
+    Ok(got
+        .into_iter()
+        .enumerate()
+        .map(|(pos, r)| r.unwrap_or_else(|| panic!("position {pos} of {experts:?} never handed out")))
+        .collect())
+}
+
+/// Waits until a fetch blocks for a read to land (`before` is the count of such waits seen earlier).
+fn wait_for_blocked_fetch(src: &StreamingSource, before: usize) {
+    let deadline = Instant::now() + GUARD;
+    while src.fetch_waits() <= before {
+        assert!(
+            Instant::now() < deadline,
+            "the fetch never waited for the read in flight"
+        );
+        std::thread::yield_now();
+    }
+}
+
+#[test]
+fn budget_smaller_than_one_record_is_a_clear_error() {
+    for budget in [0, 1000, REC as u64, SLOT - 1] {
+        let (t, _) = table();
+        let err = StreamingSource::new(t, &options(budget, 2))
+            .err()
+            .unwrap_or_else(|| panic!("a budget of {budget} bytes was accepted"));
+        assert!(matches!(err, StoreError::Engine(_)), "{err:?}");
+        let msg = err.to_string();
+        assert!(msg.contains(&format!("budget of {budget} bytes")), "{msg}");
+        assert!(msg.contains("smaller than one record slot"), "{msg}");
+        assert!(msg.contains(&format!("{SLOT_ALIGN} bytes")), "slot size missing: {msg}");
+        assert!(msg.contains(&format!("{REC} bytes")), "record size missing: {msg}");
+    }
+    // Exactly one slot serves every record through it; a budget beyond the model is one slot per record.
+    let (src, _) = engine(1, 2);
+    for e in 0..EXPERTS {
+        read(&src, e);
+    }
+    let (t, _) = table();
+    assert_eq!(
+        StreamingSource::new(t, &options(1 << 40, 2)).unwrap().slots().0,
+        EXPERTS
+    );
+    let empty = RecordTable::new(Vec::new(), HashMap::new());
+    let msg = StreamingSource::new(empty, &options(1 << 30, 2))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(msg.contains("no expert records"), "{msg}");
+}
+
+#[test]
+fn lru_evicts_the_least_recently_used_idle_record() {
+    let (src, file) = engine(3, 2);
+    for e in [0, 1, 2] {
+        read(&src, e);
+    }
+    assert_eq!(src.resident(), keys(&[2, 1, 0]));
+    read(&src, 0); // a hit makes 0 the most recently used
+    assert_eq!(src.resident(), keys(&[0, 2, 1]));
+    read(&src, 3); // evicts 1
+    assert_eq!(src.resident(), keys(&[3, 0, 2]));
+    read(&src, 4); // evicts 2
+    assert_eq!(src.resident(), keys(&[4, 3, 0]));
+    let c = counters(&src);
+    assert_eq!((c.reads, c.hits, c.misses), (5, 1, 5), "{c:?}");
+    assert_eq!((c.demand_bytes, c.prefetch_bytes), (5 * REC as u64, 0));
+    assert_eq!(file.reads(), offsets(&[0, 1, 2, 3, 4]));
+    assert_eq!(src.slot_census(), (0, 3));
+}
+
+#[test]
+fn pinned_records_are_never_evicted_or_overwritten() {
+    let (src, _) = engine(3, 2);
+    let pinned = read(&src, 0);
+    // One part alone keeps its slot pinned too.
+    let part = read(&src, 1).parts[1].clone();
+    let pinned_slots = [slot_of(&pinned), part.as_ptr() as usize - SPLIT];
+    let mut spare = None;
+    for i in 0..24 {
+        let e = 2 + i % (EXPERTS - 2);
+        let rec = read(&src, e);
+        let slot = slot_of(&rec);
+        assert!(!pinned_slots.contains(&slot), "expert {e} was read into a pinned slot");
+        assert_eq!(*spare.get_or_insert(slot), slot, "only one slot is free to reuse");
+        let resident = src.resident();
+        assert_eq!(resident.len(), 3);
+        assert!(
+            resident.contains(&(LAYER, 0)) && resident.contains(&(LAYER, 1)),
+            "{resident:?}"
+        );
+        assert_eq!(resident[0], (LAYER, e));
+    }
+    assert_record(&pinned, 0);
+    assert!(*part == record_bytes(LAYER, 1)[SPLIT..], "pinned part was overwritten");
+    let c = counters(&src);
+    assert_eq!((c.reads, c.hits), (26, 0), "{c:?}");
+
+    // Still resident: a hit, same slot. Released, they are evicted in LRU order like any record.
+    assert_eq!(slot_of(&read(&src, 0)), pinned_slots[0]);
+    assert_eq!(counters(&src).reads, 26);
+    drop((pinned, part));
+    let last = 2 + 23 % (EXPERTS - 2);
+    assert_eq!(src.resident(), keys(&[0, last, 1]));
+    let e = if last == 7 { 6 } else { 7 };
+    read(&src, e);
+    assert_eq!(src.resident(), keys(&[e, 0, last]));
+    assert_eq!(src.slot_census(), (0, 3));
+}
+
+/// With every slot held by a computation and no read in flight, a record that needs a slot fails its
+/// fetch with an error naming the cache (no wait: nothing could free a slot); the engine stays usable.
+#[test]
+fn every_slot_pinned_fails_the_fetch_clearly_and_the_engine_recovers() {
+    let (src, _) = engine(2, 2);
+    let a = read(&src, 0);
+    let b = read(&src, 1);
+    let check = |err: StoreError| {
+        let msg = err.to_string();
+        assert!(matches!(err, StoreError::Engine(_)), "{err:?}");
+        assert!(
+            msg.contains("2 slots is too small") && msg.contains("held by a computation"),
+            "{msg}"
+        );
+    };
+    check(
+        src.read_expert(LAYER, 2)
+            .expect_err("a record with no slot to go to was served"),
+    );
+    assert_eq!(counters(&src).reads, 2, "no read may be issued without a slot");
+    // The fetch itself is made; resident records come first, then the error for the one without a slot.
+    let mut f = src.fetch_layer(LAYER, &[2, 1]).unwrap();
+    let (pos, rec) = f.next_ready().unwrap().unwrap();
+    assert_eq!(pos, 1);
+    assert_record(&rec, 1);
+    check(f.next_ready().unwrap().err().unwrap());
+    drop((f, rec));
+    assert_record(&a, 0);
+    assert_record(&b, 1);
+    assert_eq!(src.slot_census(), (0, 2));
+
+    // The same when the caller holds records of the same fetch: 3 takes 0's slot, then 4 finds none.
+    drop(a);
+    let mut f = src.fetch_layer(LAYER, &[3, 4]).unwrap();
+    let (pos, three) = f.next_ready().unwrap().unwrap();
+    assert_eq!(pos, 0);
+    assert_record(&three, 3);
+    check(f.next_ready().unwrap().err().unwrap());
+    drop(f);
+    assert!(matches!(fetch_all(&src, &[5, 6], false), Err(StoreError::Engine(_))));
+
+    // Released, the engine serves again, and every slot is accounted for.
+    drop((b, three));
+    fetch_all(&src, &[5, 6], true).unwrap();
+    assert_eq!(src.slot_census(), (0, 2));
+    assert_eq!(counters(&src).read_errors, 0);
+}
+
+/// When every slot is held or being read into, a fetch waits for the read in flight rather than failing:
+/// the prefetch lands unused and is evicted for the demand read (counted as waste).
+#[test]
+fn fetch_waits_for_a_read_in_flight_when_no_slot_is_free() {
+    let (src, file) = engine(2, 1);
+    let held = read(&src, 1);
+    file.close();
+    src.prefetch(LAYER, &[0]);
+    file.wait_started(2);
+    assert_eq!(src.slot_census(), (0, 1));
+    let waits = src.fetch_waits();
+    let got = std::thread::scope(|s| {
+        let fetch = s.spawn(|| src.read_expert(LAYER, 2));
+        wait_for_blocked_fetch(&src, waits);
+        file.open();
+        fetch.join().unwrap()
+    });
+    assert_record(&got.unwrap(), 2);
+    assert_record(&held, 1);
+    let c = counters(&src);
+    assert_eq!((c.reads, c.prefetch_issued, c.prefetch_hits), (3, 1, 0), "{c:?}");
+    assert_eq!((c.prefetch_wasted, c.prefetch_wasted_bytes), (1, REC as u64));
+    assert_eq!(file.reads(), offsets(&[1, 0, 2]));
+    assert_eq!(src.resident(), keys(&[2, 1]));
+}
+
+#[test]
+fn prefetched_record_is_served_without_a_second_read() {
+    let (src, file) = engine(4, 2);
+    src.prefetch(LAYER, &[1, 2]);
+    src.wait_idle();
+    let c = counters(&src);
+    assert_eq!(
+        (c.prefetch_issued, c.reads, c.prefetch_bytes, c.demand_bytes),
+        (2, 2, 2 * REC as u64, 0)
+    );
+    assert_eq!((c.hits, c.misses, c.prefetch_hits), (0, 0, 0));
+
+    fetch_all(&src, &[2, 1, 3], false).unwrap();
+    let c = counters(&src);
+    assert_eq!((c.hits, c.misses, c.prefetch_hits), (2, 1, 2), "{c:?}");
+    assert_eq!(
+        (c.reads, c.demand_bytes, c.prefetch_bytes),
+        (3, REC as u64, 2 * REC as u64)
+    );
+    let mut read_once = file.reads();
+    read_once.sort_unstable();
+    assert_eq!(read_once, offsets(&[1, 2, 3]));
+
+    // Used once, a prediction is an ordinary record: later hits are not prefetch hits again, and
+    // predicting a resident record issues nothing.
+    fetch_all(&src, &[1, 2], true).unwrap();
+    src.prefetch(LAYER, &[1, 3]);
+    let c = counters(&src);
+    assert_eq!(
+        (c.hits, c.prefetch_hits, c.prefetch_issued, c.reads),
+        (4, 2, 2, 3),
+        "{c:?}"
+    );
+    assert_eq!((c.prefetch_wasted, c.prefetch_wasted_bytes), (0, 0));
+}
+
+/// A prediction still queued when a step needs it moves ahead of the other predictions and is read once.
+#[test]
+fn queued_prefetch_is_promoted_when_demanded() {
+    let (src, file) = engine(4, 1);
+    file.close();
+    src.prefetch(LAYER, &[0, 1, 2, 3]);
+    file.wait_started(1); // the only I/O thread is held reading 0; 1, 2, 3 are queued in that order
+    let mut f = src.fetch_layer(LAYER, &[3]).unwrap();
+    file.open();
+    let (pos, rec) = f.next_ready().unwrap().unwrap();
+    assert_eq!(pos, 0);
+    assert_record(&rec, 3);
+    assert!(f.next_ready().is_none());
+    drop(f);
+    src.wait_idle();
+    assert_eq!(file.reads(), offsets(&[0, 3, 1, 2]));
+    let c = counters(&src);
+    assert_eq!(
+        (c.prefetch_issued, c.prefetch_hits, c.hits, c.misses),
+        (4, 1, 0, 1),
+        "{c:?}"
+    );
+    // Four reads in all, no second read of 3 (its bytes count as prefetch bytes: a prediction read them).
+    assert_eq!((c.reads, c.bytes_read(), c.demand_bytes), (4, 4 * REC as u64, 0));
+}
+
+#[test]
+fn unused_prefetch_evicted_counts_as_waste() {
+    let (src, file) = engine(2, 2);
+    src.prefetch(LAYER, &[0, 1]);
+    src.wait_idle();
+    read(&src, 2); // a demand read may evict an unused prediction: the least recently used, 0
+    assert_eq!(src.resident(), keys(&[2, 1]));
+    let c = counters(&src);
+    assert_eq!((c.prefetch_wasted, c.prefetch_wasted_bytes), (1, REC as u64), "{c:?}");
+
+    // A prediction spares unused predictions: 3 evicts the idle record 2, not 1.
+    src.prefetch(LAYER, &[3]);
+    src.wait_idle();
+    assert_eq!(src.resident(), keys(&[3, 1]));
+    // Now every slot holds an unused prediction: another one is not issued at all.
+    src.prefetch(LAYER, &[4]);
+    src.wait_idle();
+    assert_eq!(src.resident(), keys(&[3, 1]));
+    let c = counters(&src);
+    assert_eq!((c.prefetch_issued, c.prefetch_wasted, c.reads), (3, 1, 4), "{c:?}");
+
+    // Used, 1 is a prefetch hit; 3, dropped unused with the caches, is waste.
+    read(&src, 1);
+    src.drop_caches().unwrap();
+    let c = counters(&src);
+    assert_eq!((c.prefetch_hits, c.prefetch_wasted), (1, 2), "{c:?}");
+    assert_eq!(c.prefetch_wasted_bytes, 2 * REC as u64);
+    assert_eq!((c.prefetch_bytes, c.demand_bytes), (3 * REC as u64, REC as u64));
+    let mut read_once = file.reads();
+    read_once.sort_unstable();
+    assert_eq!(read_once, offsets(&[0, 1, 2, 3]));
+    assert_eq!(src.slot_census(), (2, 0));
+}
+
+/// The same expert twice in one request: every position gets the record, from a single read, and no slot
+/// is lost (a leaked slot shows as free + loaded < slots, and eventually as "cache too small").
+#[test]
+fn duplicate_experts_in_one_fetch_share_one_read_and_leak_no_slot() {
+    let (src, file) = engine(3, 2);
+    let recs = fetch_all(&src, &[3, 3, 5], false).unwrap();
+    assert_eq!(slot_of(&recs[0]), slot_of(&recs[1]), "both positions share one slot");
+    drop(recs);
+    assert_eq!(
+        src.slot_census(),
+        (1, 2),
+        "(free, loaded) slots after fetching [3, 3, 5]"
+    );
+    let c = counters(&src);
+    assert_eq!((c.reads, c.misses, c.hits), (2, 2, 0), "{c:?}");
+    let mut read_once = file.reads();
+    read_once.sort_unstable();
+    assert_eq!(read_once, offsets(&[3, 5]));
+
+    for i in 0..24 {
+        let a = i % EXPERTS;
+        let b = (a + 1 + i % 3) % EXPERTS;
+        let want = match i % 3 {
+            0 => vec![a, a, b],
+            1 => vec![b, a, a],
+            _ => vec![a, b, a, a],
+        };
+        fetch_all(&src, &want, i % 2 == 0).unwrap_or_else(|e| panic!("fetch {i} of {want:?}: {e}"));
+        let (free, loaded) = src.slot_census();
+        assert_eq!(free + loaded, 3, "fetch {i} of {want:?} lost a slot");
+    }
+    // Three distinct records held at once still fit: no slot was lost.
+    fetch_all(&src, &[5, 6, 7], true).unwrap();
+    fetch_all(&src, &[0, 1, 2], false).unwrap();
+
+    // A duplicated request for a prediction (in flight or landed): one read, one prefetch hit.
+    let before = counters(&src);
+    src.prefetch(LAYER, &[4]);
+    fetch_all(&src, &[4, 4, 4], true).unwrap();
+    let c = counters(&src).since(&before);
+    assert_eq!((c.reads, c.prefetch_issued, c.prefetch_hits), (1, 1, 1), "{c:?}");
+    let (free, loaded) = src.slot_census();
+    assert_eq!(free + loaded, 3);
+}
+
+/// Two fetches waiting for the same record (the first had no slot when it asked) share one read.
+#[test]
+fn two_fetches_of_one_record_share_one_read() {
+    let (src, file) = engine(2, 2);
+    let a = read(&src, 0);
+    let b = read(&src, 1);
+    let mut first = src.fetch_layer(LAYER, &[5]).unwrap(); // no slot: not submitted yet
+    drop((a, b));
+    let mut second = src.fetch_layer(LAYER, &[5]).unwrap(); // evicts 0 and reads 5
+    let (_, r1) = first.next_ready().unwrap().unwrap();
+    let (_, r2) = second.next_ready().unwrap().unwrap();
+    assert_record(&r1, 5);
+    assert_eq!(slot_of(&r1), slot_of(&r2));
+    assert!(first.next_ready().is_none() && second.next_ready().is_none());
+    drop((first, second, r1, r2));
+    assert_eq!(file.reads(), offsets(&[0, 1, 5]));
+    assert_eq!(counters(&src).reads, 3);
+    assert_eq!(src.resident(), keys(&[5, 1]));
+    assert_eq!(src.slot_census(), (0, 2));
+}

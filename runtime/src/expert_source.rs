@@ -1,0 +1,110 @@
+//! How expert records reach the model: viewed in place (mmap) or streamed through the expert store's engine
+//! from a packed store or from the original safetensors, sized by the memory plan.
+
+use std::sync::Arc;
+
+use expert_store::{
+    Checkpoint, EngineOptions, ExpertSource, InMemoryExpertSource, MmapExpertSource, PackedStore, RecordTable,
+    StackedExperts, StreamingSource,
+};
+
+use crate::error::{ModelError, Result};
+use crate::memory_plan::{ExpertPlacement, MachineMemory, MemoryPlan, ModelFootprint, PlanRequest};
+use crate::options::{Backend, ExpertMode, ExpertOptions};
+
+/// Builds the expert source for `stacks` per `opts`, with the memory plan that sized it. `footprint` holds
+/// the model's KV and state sizes; its weight sizes are filled in here from the checkpoint.
+pub(crate) fn open_source(
+    ckpt: &Arc<Checkpoint>,
+    stacks: &[StackedExperts],
+    store: Option<&PackedStore>,
+    opts: &ExpertOptions,
+    mut footprint: ModelFootprint,
+) -> Result<(Arc<dyn ExpertSource>, MemoryPlan)> {
+    let stacked: u64 = stacks
+        .iter()
+        .flat_map(|s| &s.tensors)
+        .filter_map(|n| ckpt.get(n))
+        .map(|t| t.bytes().len() as u64)
+        .sum();
+    footprint.resident_weights = (ckpt.total_bytes() as u64).saturating_sub(stacked);
+    footprint.expert_bytes = stacked;
+    let plan_for = |footprint| {
+        MemoryPlan::new(
+            MachineMemory::probe(),
+            footprint,
+            &PlanRequest {
+                mode: opts.mode,
+                cache_bytes: opts.cache_bytes,
+                context: opts.context,
+                gpu_buffers: opts.backend == Backend::Mlx && cfg!(target_os = "macos"),
+            },
+        )
+    };
+    if stacks.is_empty() {
+        return Ok((Arc::new(InMemoryExpertSource::new()), plan_for(footprint)));
+    }
+    let table = match store {
+        Some(s) => {
+            if opts.mode == ExpertMode::Mmap {
+                return Err(ModelError::InvalidArgument(
+                    "--experts mmap views a model directory in place; a packed store is read with pread".into(),
+                ));
+            }
+            s.check_against(ckpt, stacks)?;
+            s.table(opts.direct_io)?
+        }
+        None if opts.mode == ExpertMode::Mmap => {
+            return Ok((Arc::new(MmapExpertSource::new(ckpt, stacks)?), plan_for(footprint)))
+        }
+        None => RecordTable::in_place(ckpt, stacks, opts.direct_io)?,
+    };
+    // What the reads cost (packed records are padded): the bytes the slots must hold.
+    footprint.expert_bytes = table.total_read_bytes();
+    let plan = plan_for(footprint);
+    let preload = plan.placement == ExpertPlacement::Resident;
+    let cache_bytes = if preload {
+        table.len() as u64 * (table.max_slot_len().next_multiple_of(expert_store::SLOT_ALIGN) as u64)
+    } else {
+        plan.expert_cache
+    };
+    let engine = StreamingSource::new(
+        table,
+        &EngineOptions {
+            cache_bytes,
+            io_depth: opts.io_depth,
+            verify: opts.verify,
+        },
+    )?;
+    let (slots, slot_len) = engine.slots();
+    tracing::info!(
+        slots,
+        slot_len,
+        cache_bytes = slots * slot_len,
+        io_depth = opts.io_depth,
+        "streaming experts"
+    );
+    if preload {
+        engine.preload()?;
+    }
+    Ok((Arc::new(engine), plan))
+}
+
+/// Bytes of the largest expert record: as packed (padded) when a store serves the experts, else the sum of
+/// one expert's slices of its stacked tensors.
+pub(crate) fn record_bytes(ckpt: &Checkpoint, stacks: &[StackedExperts], store: Option<&PackedStore>) -> u64 {
+    if let Some(s) = store {
+        return s.manifest().layers.iter().map(|l| l.record_len).max().unwrap_or(0);
+    }
+    stacks
+        .iter()
+        .map(|s| {
+            s.tensors
+                .iter()
+                .filter_map(|n| ckpt.get(n))
+                .map(|t| (t.bytes().len() / s.num_experts.max(1)) as u64)
+                .sum::<u64>()
+        })
+        .max()
+        .unwrap_or(0)
+}

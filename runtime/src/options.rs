@@ -1,0 +1,145 @@
+//! What the user chooses about serving: where experts live, how they are read, which backend computes, and
+//! the byte sizes users write (`512M`, `4GiB`).
+
+use crate::layers::PrefetchMode;
+
+/// Where expert weights live while serving.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ExpertMode {
+    /// Resident when the experts fit comfortably in available memory, streamed otherwise.
+    #[default]
+    Auto,
+    /// Every record read once at load into slots (huge-page backed where possible).
+    Resident,
+    /// Read on demand into the budgeted slot cache.
+    Stream,
+    /// Viewed in place through an mmap of the safetensors (model directories only; no copy, but the OS
+    /// decides residency and 4 KiB pages slow the kernels).
+    Mmap,
+}
+
+impl std::str::FromStr for ExpertMode {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "resident" => Ok(Self::Resident),
+            "stream" => Ok(Self::Stream),
+            "mmap" => Ok(Self::Mmap),
+            _ => Err(format!("unknown expert mode `{s}` (auto, resident, stream, mmap)")),
+        }
+    }
+}
+
+/// Settings for serving experts.
+#[derive(Debug, Clone)]
+pub struct ExpertOptions {
+    /// Resident or streamed.
+    pub mode: ExpertMode,
+    /// Slot cache budget in bytes when streaming (`None`: the [`MemoryPlan`]'s default).
+    pub cache_bytes: Option<u64>,
+    /// Reads in flight at once.
+    pub io_depth: usize,
+    /// Bypass the page cache (O_DIRECT / F_NOCACHE).
+    pub direct_io: bool,
+    /// Check packed records' checksums on every read.
+    pub verify: bool,
+    /// Speculative reads during decode.
+    pub prefetch: PrefetchMode,
+    /// Which implementation computes the forward pass.
+    pub backend: Backend,
+    /// The context limit the KV budget is planned for (`None`: the planner's default).
+    pub context: Option<usize>,
+}
+
+/// The compute backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// sluice's own CPU kernels.
+    Cpu,
+    /// MLX through mlx-rs: Metal on macOS, MLX's CPU build on Linux (needs the `mlx` cargo feature).
+    Mlx,
+}
+
+impl Backend {
+    /// `mlx` on macOS when compiled in, `cpu` elsewhere.
+    pub fn default_for_build() -> Self {
+        if cfg!(all(feature = "mlx", target_os = "macos")) {
+            Backend::Mlx
+        } else {
+            Backend::Cpu
+        }
+    }
+}
+
+impl std::str::FromStr for Backend {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "cpu" => Ok(Self::Cpu),
+            "mlx" => Ok(Self::Mlx),
+            _ => Err(format!("unknown backend `{s}` (cpu, mlx)")),
+        }
+    }
+}
+
+impl Default for ExpertOptions {
+    fn default() -> Self {
+        Self {
+            mode: ExpertMode::Auto,
+            cache_bytes: None,
+            io_depth: 8,
+            direct_io: false,
+            verify: true,
+            prefetch: PrefetchMode::None,
+            backend: Backend::default_for_build(),
+            context: None,
+        }
+    }
+}
+
+/// Parses a byte size: `4096`, `512K`, `512M`, `1MB`, `4GiB`, `1.5G` (powers of 1024 for K/M/G/T with or
+/// without `B`/`iB`).
+pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let unit = unit.trim().to_ascii_lowercase();
+    let mult: u64 = match unit.trim_end_matches("ib").trim_end_matches('b') {
+        "" => 1,
+        "k" => 1 << 10,
+        "m" => 1 << 20,
+        "g" => 1 << 30,
+        "t" => 1 << 40,
+        _ => {
+            return Err(format!(
+                "`{s}`: unknown size unit (use K, M, G, T, optionally with B or iB)"
+            ))
+        }
+    };
+    let v: f64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size like 512M, 4GiB or 1048576"))?;
+    if !v.is_finite() || v < 0.0 || (unit.is_empty() && num.contains('.')) {
+        return Err(format!("`{s}` is not a valid size"));
+    }
+    Ok((v * mult as f64) as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_like_users_write_them() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("512M"), Ok(512 << 20));
+        assert_eq!(parse_size("1MB"), Ok(1 << 20));
+        assert_eq!(parse_size("4GiB"), Ok(4 << 30));
+        assert_eq!(parse_size("1.5g"), Ok(3 << 29));
+        assert_eq!(parse_size(" 2 K "), Ok(2048));
+        for bad in ["", "M", "12Q", "-1M", "1.5", "abc"] {
+            assert!(parse_size(bad).is_err(), "{bad}");
+        }
+    }
+}
