@@ -10,7 +10,7 @@ use expert_store::{
 
 use crate::error::{ModelError, Result};
 use crate::memory_plan::{ExpertPlacement, MachineMemory, MemoryPlan, ModelFootprint, PlanRequest};
-use crate::options::{Backend, ExpertMode, ExpertOptions};
+use crate::options::{BackendKind, ExpertMode, ExpertOptions};
 
 /// Builds the expert source for `stacks` per `opts`, with the memory plan that sized it. `footprint` holds
 /// the model's KV and state sizes; its weight sizes are filled in here from the checkpoint.
@@ -37,7 +37,7 @@ pub(crate) fn open_source(
                 mode: opts.mode,
                 cache_bytes: opts.cache_bytes,
                 context: opts.context,
-                gpu_buffers: opts.backend == Backend::Mlx && cfg!(target_os = "macos"),
+                gpu_buffers: opts.backend == BackendKind::Mlx && cfg!(target_os = "macos"),
             },
         )
     };

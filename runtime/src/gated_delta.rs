@@ -1,18 +1,15 @@
-//! Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5): projections, causal depthwise conv, the gated
-//! delta-rule recurrence over a per-head state `S [Dv, Dk]`, and the gated RMSNorm output.
+//! Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5): the input projections (split or grouped per key
+//! head), the core every backend implements ([`crate::backend::Backend::gated_delta`]: causal depthwise conv,
+//! q/k L2 norm, the gated delta-rule recurrence over a per-head state `S [Dv, Dk]`, the gated RMSNorm), and
+//! the output projection.
 //!
 //! Prefill runs the recurrence token by token (sequential, exact; the projections, the conv and the output
-//! are batched over the prompt). The recurrent work is `O(v_heads · Dv · Dk)` per token, small beside the
-//! projections, and is spread over the v-heads in parallel.
+//! are batched over the prompt), so prefill and decode compute the same numbers.
 
 use std::time::Instant;
 
-use rayon::prelude::*;
-
-use crate::cpu::Isa;
+use crate::backend::{Backend, SeqSpan};
 use crate::error::Result;
-use crate::linear::Linear;
-use crate::ops::{self, LayerKv};
 use crate::profile::{Part, StepProfile};
 use crate::weights::Weights;
 
@@ -50,64 +47,73 @@ impl DeltaShape {
     }
 }
 
+/// The parameters of a Gated DeltaNet layer other than its projections, on the host.
+#[derive(Debug, Clone)]
+pub struct DeltaParams {
+    /// Head counts and widths.
+    pub shape: DeltaShape,
+    /// RMSNorm epsilon of the gated norm.
+    pub eps: f32,
+    /// Depthwise conv taps `[conv_dim, kernel]`; tap `kernel − 1` multiplies the current token.
+    pub conv: Vec<f32>,
+    /// `exp(A_log)` per v-head.
+    pub decay_rate: Vec<f32>,
+    /// Added to `a` before the softplus, per v-head.
+    pub dt_bias: Vec<f32>,
+    /// Gated RMSNorm weight over `Dv` (plain `w`, never `1 + w`).
+    pub norm: Vec<f32>,
+}
+
 /// The input projections, in either checkpoint layout.
-pub(crate) enum InProj {
+enum InProj<B: Backend> {
     /// Qwen3.5: `in_proj_qkv` (`[q | k | v]` over all heads), `in_proj_z`, `in_proj_b`, `in_proj_a`.
     Split {
-        qkv: Linear,
-        z: Linear,
-        b: Linear,
-        a: Linear,
+        qkv: B::Matrix,
+        z: B::Matrix,
+        b: B::Matrix,
+        a: B::Matrix,
     },
-    /// Qwen3-Next: `in_proj_qkvz` and `in_proj_ba`, grouped per key head
-    /// (`[q Dk | k Dk | v r·Dv | z r·Dv]` and `[b r | a r]` for each of the `Hk` groups).
-    Grouped { qkvz: Linear, ba: Linear },
+    /// Qwen3-Next: `in_proj_qkvz` and `in_proj_ba`, grouped per key head (`[q Dk | k Dk | v r·Dv | z r·Dv]`
+    /// and `[b r | a r]` for each of the `Hk` groups), and the columns that regroup them as the split layout.
+    Grouped {
+        qkvz: B::Matrix,
+        ba: B::Matrix,
+        cols: [Vec<usize>; 4],
+    },
+}
+
+/// Columns of the grouped projections' outputs that make `qkv`, `z`, `b` and `a` in the split layout.
+fn grouped_columns(s: DeltaShape) -> [Vec<usize>; 4] {
+    let (dk, r) = (s.k_dim, s.v_heads / s.k_heads);
+    let rdv = r * s.v_dim;
+    let group = 2 * dk + 2 * rdv;
+    let span = |g: usize, from: usize, len: usize| g * group + from..g * group + from + len;
+    let heads = 0..s.k_heads;
+    let qkv = heads
+        .clone()
+        .flat_map(|g| span(g, 0, dk))
+        .chain(heads.clone().flat_map(|g| span(g, dk, dk)))
+        .chain(heads.clone().flat_map(|g| span(g, 2 * dk, rdv)))
+        .collect();
+    let z = heads.clone().flat_map(|g| span(g, 2 * dk + rdv, rdv)).collect();
+    let b = heads.clone().flat_map(|g| g * 2 * r..g * 2 * r + r).collect();
+    let a = heads.flat_map(|g| g * 2 * r + r..(g + 1) * 2 * r).collect();
+    [qkv, z, b, a]
 }
 
 /// One Gated DeltaNet token mixer.
-pub struct GatedDeltaNet {
-    pub(crate) proj: InProj,
-    /// Depthwise conv taps `[conv_dim, kernel]`; tap `kernel − 1` multiplies the current token.
-    pub(crate) conv: Vec<f32>,
-    /// `exp(A_log)` per v-head.
-    pub(crate) decay_rate: Vec<f32>,
-    pub(crate) dt_bias: Vec<f32>,
-    /// Gated RMSNorm weight over `Dv` (plain `w`, never `1 + w`).
-    pub(crate) norm: Vec<f32>,
-    pub(crate) out: Linear,
-    pub(crate) shape: DeltaShape,
-    pub(crate) eps: f32,
+pub struct GatedDeltaNet<B: Backend> {
+    proj: InProj<B>,
+    weights: B::DeltaWeights,
+    out: B::Matrix,
+    /// Head counts and widths.
+    pub shape: DeltaShape,
 }
 
-/// The per-token inputs of the recurrence after projection.
-struct Projected {
-    /// `[n, conv_dim]`, pre-conv.
-    qkv: Vec<f32>,
-    /// `[n, value_dim]`.
-    z: Vec<f32>,
-    /// `[n, v_heads]`.
-    b: Vec<f32>,
-    /// `[n, v_heads]`.
-    a: Vec<f32>,
-}
-
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
-}
-
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
-
-/// `log(1 + e^x)`, stable for large |x|.
-fn softplus(x: f32) -> f32 {
-    x.max(0.0) + (-x.abs()).exp().ln_1p()
-}
-
-impl GatedDeltaNet {
+impl<B: Backend> GatedDeltaNet<B> {
     /// Loads `{prefix}.{in_proj_*, conv1d, A_log, dt_bias, norm, out_proj}`; the layout is detected from the
     /// projection names, and the conv weight may be MLX `[C, K, 1]` or PyTorch `[C, 1, K]` (same bytes).
-    pub fn load(w: &Weights, prefix: &str, hidden: usize, shape: DeltaShape, eps: f32) -> Result<Self> {
+    pub fn load(be: &B, w: &Weights, prefix: &str, hidden: usize, shape: DeltaShape, eps: f32) -> Result<Self> {
         let s = shape;
         if s.k_heads == 0 || s.v_heads == 0 || !s.v_heads.is_multiple_of(s.k_heads) || s.kernel == 0 {
             return Err(w.config().error(format!(
@@ -116,181 +122,88 @@ impl GatedDeltaNet {
             )));
         }
         let p = |n: &str| format!("{prefix}.{n}");
+        let m = |name: &str, rows: usize| be.matrix(&w.linear(&p(name), rows, hidden)?);
         let proj = if w.has(&p("in_proj_qkvz.weight")) {
             InProj::Grouped {
-                qkvz: w.linear(&p("in_proj_qkvz"), s.conv_dim() + s.value_dim(), hidden)?,
-                ba: w.linear(&p("in_proj_ba"), 2 * s.v_heads, hidden)?,
+                qkvz: m("in_proj_qkvz", s.conv_dim() + s.value_dim())?,
+                ba: m("in_proj_ba", 2 * s.v_heads)?,
+                cols: grouped_columns(s),
             }
         } else {
             InProj::Split {
-                qkv: w.linear(&p("in_proj_qkv"), s.conv_dim(), hidden)?,
-                z: w.linear(&p("in_proj_z"), s.value_dim(), hidden)?,
-                b: w.linear(&p("in_proj_b"), s.v_heads, hidden)?,
-                a: w.linear(&p("in_proj_a"), s.v_heads, hidden)?,
+                qkv: m("in_proj_qkv", s.conv_dim())?,
+                z: m("in_proj_z", s.value_dim())?,
+                b: m("in_proj_b", s.v_heads)?,
+                a: m("in_proj_a", s.v_heads)?,
             }
         };
         let (c, k) = (s.conv_dim(), s.kernel);
-        let conv = w.array(&p("conv1d.weight"), &[&[c, k, 1], &[c, 1, k]])?;
-        Ok(Self {
-            proj,
-            conv,
+        let params = DeltaParams {
+            shape,
+            eps,
+            conv: w.array(&p("conv1d.weight"), &[&[c, k, 1], &[c, 1, k]])?,
             decay_rate: w.vector(&p("A_log"), s.v_heads)?.iter().map(|a| a.exp()).collect(),
             dt_bias: w.vector(&p("dt_bias"), s.v_heads)?,
             norm: w.vector(&p("norm.weight"), s.v_dim)?,
-            out: w.linear(&p("out_proj"), hidden, s.value_dim())?,
+        };
+        Ok(Self {
+            proj,
+            weights: be.delta_weights(&params)?,
+            out: be.matrix(&w.linear(&p("out_proj"), hidden, s.value_dim())?)?,
             shape,
-            eps,
         })
     }
 
-    fn project(&self, isa: Isa, x: &[f32], n: usize) -> Projected {
-        match &self.proj {
-            InProj::Split { qkv, z, b, a } => Projected {
-                qkv: qkv.forward(isa, x, n),
-                z: z.forward(isa, x, n),
-                b: b.forward(isa, x, n),
-                a: a.forward(isa, x, n),
-            },
-            InProj::Grouped { qkvz, ba } => {
-                let s = self.shape;
-                let (dk, rdv, r) = (s.k_dim, s.v_heads / s.k_heads * s.v_dim, s.v_heads / s.k_heads);
-                let (mixed, mixed_ba) = (qkvz.forward(isa, x, n), ba.forward(isa, x, n));
-                let (kd, c) = (s.key_dim(), s.conv_dim());
-                let mut p = Projected {
-                    qkv: vec![0f32; n * c],
-                    z: vec![0f32; n * s.value_dim()],
-                    b: vec![0f32; n * s.v_heads],
-                    a: vec![0f32; n * s.v_heads],
-                };
-                let group = 2 * dk + 2 * rdv;
-                for t in 0..n {
-                    let row = &mixed[t * group * s.k_heads..(t + 1) * group * s.k_heads];
-                    let qkv = &mut p.qkv[t * c..(t + 1) * c];
-                    for (g, seg) in row.chunks(group).enumerate() {
-                        qkv[g * dk..(g + 1) * dk].copy_from_slice(&seg[..dk]);
-                        qkv[kd + g * dk..kd + (g + 1) * dk].copy_from_slice(&seg[dk..2 * dk]);
-                        qkv[2 * kd + g * rdv..2 * kd + (g + 1) * rdv].copy_from_slice(&seg[2 * dk..2 * dk + rdv]);
-                        p.z[t * s.value_dim() + g * rdv..t * s.value_dim() + (g + 1) * rdv]
-                            .copy_from_slice(&seg[2 * dk + rdv..]);
-                    }
-                    let row = &mixed_ba[t * 2 * s.v_heads..(t + 1) * 2 * s.v_heads];
-                    for (g, seg) in row.chunks(2 * r).enumerate() {
-                        p.b[t * s.v_heads + g * r..t * s.v_heads + (g + 1) * r].copy_from_slice(&seg[..r]);
-                        p.a[t * s.v_heads + g * r..t * s.v_heads + (g + 1) * r].copy_from_slice(&seg[r..]);
-                    }
-                }
-                p
+    /// `[n, hidden]` normalized input → `[n, hidden]` mixer output; reads each sequence's state and writes its
+    /// next one. Time goes to `profile` as projections ([`Part::LinearAttention`]) and the rest
+    /// ([`Part::DeltaRecurrence`]).
+    pub fn forward(
+        &self,
+        be: &B,
+        x: &B::Tensor,
+        spans: &[SeqSpan],
+        state: &mut [&mut B::Recurrent],
+        profile: &StepProfile,
+    ) -> Result<B::Tensor> {
+        let start = Instant::now();
+        let (qkv, z, b, a) = match &self.proj {
+            InProj::Split { qkv, z, b, a } => {
+                (be.matmul(qkv, x)?, be.matmul(z, x)?, be.matmul(b, x)?, be.matmul(a, x)?)
             }
-        }
-    }
-
-    /// Causal depthwise conv of `qkv` (`[n, C]`) after the cached history, then SiLU; advances the history.
-    fn conv(&self, qkv: &[f32], n: usize, cache: &mut LayerKv) -> Vec<f32> {
-        let (c, k) = (self.shape.conv_dim(), self.shape.kernel);
-        if cache.conv.len() != (k - 1) * c {
-            cache.conv = vec![0f32; (k - 1) * c];
-        }
-        let mut window = std::mem::take(&mut cache.conv);
-        window.extend_from_slice(qkv);
-        let mut out = vec![0f32; n * c];
-        let work = |(t, o): (usize, &mut [f32])| {
-            for (ch, o) in o.iter_mut().enumerate() {
-                let taps = &self.conv[ch * k..(ch + 1) * k];
-                let acc = taps
-                    .iter()
-                    .enumerate()
-                    .fold(0f32, |acc, (j, w)| acc + window[(t + j) * c + ch] * w);
-                *o = silu(acc);
+            InProj::Grouped { qkvz, ba, cols } => {
+                let (mixed, mixed_ba) = (be.matmul(qkvz, x)?, be.matmul(ba, x)?);
+                (
+                    be.take_columns(&mixed, &cols[0])?,
+                    be.take_columns(&mixed, &cols[1])?,
+                    be.take_columns(&mixed_ba, &cols[2])?,
+                    be.take_columns(&mixed_ba, &cols[3])?,
+                )
             }
         };
-        if n * c * k < 1 << 16 {
-            out.chunks_mut(c).enumerate().for_each(work);
-        } else {
-            out.par_chunks_mut(c).enumerate().for_each(work);
-        }
-        cache.conv = window.split_off(n * c);
-        out
-    }
-
-    /// `[n, hidden]` normalized input → `[n, hidden]` mixer output; reads and advances the layer's state.
-    /// Time goes to `profile` as projections ([`Part::LinearAttention`]) and the rest
-    /// ([`Part::DeltaRecurrence`]).
-    pub fn forward(&self, isa: Isa, x: &[f32], n: usize, cache: &mut LayerKv, profile: &StepProfile) -> Vec<f32> {
-        let s = self.shape;
-        let (c, kd, vd, dk, dv) = (s.conv_dim(), s.key_dim(), s.value_dim(), s.k_dim, s.v_dim);
-        let start = Instant::now();
-        let p = self.project(isa, x, n);
         let core = Instant::now();
         profile.add(Part::LinearAttention, core - start);
-        let mut u = self.conv(&p.qkv, n, cache);
-        // q = l2norm(q)/√Dk, k = l2norm(k), as mlx-lm does it: an RMSNorm with eps 1e-6/Dk, scaled.
-        let inv = 1.0 / (dk as f32).sqrt();
-        let rms_eps = 1e-6 * inv * inv;
-        for row in u.chunks_mut(c) {
-            let (q, rest) = row.split_at_mut(kd);
-            let k = &mut rest[..kd];
-            for (head, scale) in [(q, inv * inv), (k, inv)] {
-                for h in head.chunks_mut(dk) {
-                    let ms = h.iter().map(|v| v * v).sum::<f32>() / dk as f32;
-                    let r = 1.0 / (ms + rms_eps).sqrt();
-                    h.iter_mut().for_each(|v| *v = scale * (*v * r));
-                }
-            }
-        }
-        let beta: Vec<f32> = p.b.iter().map(|&b| sigmoid(b)).collect();
-        let decay: Vec<f32> =
-            p.a.iter()
-                .enumerate()
-                .map(|(i, &a)| {
-                    let h = i % s.v_heads;
-                    (-self.decay_rate[h] * softplus(a + self.dt_bias[h])).exp()
-                })
-                .collect();
-        if cache.ssm.len() != s.v_heads * dv * dk {
-            cache.ssm = vec![0f32; s.v_heads * dv * dk];
-        }
-        // Each v-head's state is independent: heads in parallel, tokens in order inside a head.
-        let r = s.v_heads / s.k_heads;
-        let per_head: Vec<Vec<f32>> = cache
-            .ssm
-            .par_chunks_mut(dv * dk)
-            .enumerate()
-            .map(|(h, state)| {
-                let kh = h / r;
-                let mut y = vec![0f32; n * dv];
-                for t in 0..n {
-                    let row = &u[t * c..(t + 1) * c];
-                    let q = &row[kh * dk..(kh + 1) * dk];
-                    let k = &row[kd + kh * dk..kd + (kh + 1) * dk];
-                    let v = &row[2 * kd + h * dv..2 * kd + (h + 1) * dv];
-                    let (g, b) = (decay[t * s.v_heads + h], beta[t * s.v_heads + h]);
-                    for (i, srow) in state.chunks_mut(dk).enumerate() {
-                        srow.iter_mut().for_each(|x| *x *= g);
-                        let delta = (v[i] - isa.dot(srow, k)) * b;
-                        srow.iter_mut().zip(k).for_each(|(x, kj)| *x += kj * delta);
-                        y[t * dv + i] = isa.dot(srow, q);
-                    }
-                }
-                y
-            })
-            .collect();
-        // Gated RMSNorm per head: rms_norm(y) ⊙ silu(z).
-        let mut o = vec![0f32; n * vd];
-        for (h, y) in per_head.iter().enumerate() {
-            for t in 0..n {
-                let dst = &mut o[t * vd + h * dv..t * vd + (h + 1) * dv];
-                dst.copy_from_slice(&y[t * dv..(t + 1) * dv]);
-                ops::rms_norm(dst, &self.norm, self.eps);
-                let z = &p.z[t * vd + h * dv..t * vd + (h + 1) * dv];
-                dst.iter_mut().zip(z).for_each(|(d, &z)| *d *= silu(z));
-            }
-        }
+        let y = be.gated_delta(&self.weights, &qkv, &z, &b, &a, spans, state)?;
         let out_start = Instant::now();
         profile.add(Part::DeltaRecurrence, out_start - core);
-        let y = self.out.forward(isa, &o, n);
+        let y = be.matmul(&self.out, &y)?;
         profile.add(Part::LinearAttention, out_start.elapsed());
-        y
+        Ok(y)
     }
+}
+
+/// `x · sigmoid(x)`.
+pub(crate) fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// `1 / (1 + e^−x)`.
+pub(crate) fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// `log(1 + e^x)`, stable for large |x|.
+pub(crate) fn softplus(x: f32) -> f32 {
+    x.max(0.0) + (-x.abs()).exp().ln_1p()
 }
 
 #[cfg(test)]
@@ -299,8 +212,11 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     use super::*;
+    use crate::backend::cpu::{CpuBackend, CpuRecurrent, CpuTensor};
+    use crate::backend::reference::ReferenceBackend;
+    use crate::backend::RecurrentState;
     use crate::cpu::FloatType;
-    use crate::linear::WeightFormat;
+    use crate::linear::{Linear, WeightFormat};
 
     fn dense(rng: &mut impl Rng, rows: usize, cols: usize) -> (Linear, Vec<f64>) {
         let w: Vec<f32> = (0..rows * cols).map(|_| rng.gen_range(-0.3f32..0.3)).collect();
@@ -405,15 +321,19 @@ mod tests {
         let decay_rate: Vec<f32> = (0..s.v_heads).map(|_| rng.gen_range(0.2f32..3.0)).collect();
         let dt_bias: Vec<f32> = (0..s.v_heads).map(|_| rng.gen_range(-3f32..0.0)).collect();
         let norm: Vec<f32> = (0..s.v_dim).map(|_| rng.gen_range(0.5f32..1.5)).collect();
-        let net = GatedDeltaNet {
+        let be = CpuBackend;
+        let net = GatedDeltaNet::<CpuBackend> {
             proj: InProj::Split { qkv, z, b, a },
-            conv: conv.clone(),
-            decay_rate: decay_rate.clone(),
-            dt_bias: dt_bias.clone(),
-            norm: norm.clone(),
+            weights: DeltaParams {
+                shape: s,
+                eps: 1e-6,
+                conv: conv.clone(),
+                decay_rate: decay_rate.clone(),
+                dt_bias: dt_bias.clone(),
+                norm: norm.clone(),
+            },
             out,
             shape: s,
-            eps: 1e-6,
         };
         let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
         let n = 9;
@@ -429,11 +349,25 @@ mod tests {
             &xs,
         );
         let profile = StepProfile::default();
+        // One step of `n` tokens on a state, committed (as a successful forward does).
+        let step = |st: &mut CpuRecurrent, rows: std::ops::Range<usize>| {
+            let x = CpuTensor {
+                data: x[rows.start * hidden..rows.end * hidden].to_vec(),
+                cols: hidden,
+            };
+            let span = SeqSpan {
+                rows: 0..rows.len(),
+                pos0: 0,
+            };
+            let y = net.forward(&be, &x, &[span], &mut [st], &profile).unwrap();
+            st.commit();
+            y.data
+        };
         // 5 tokens of prefill, then 4 decode steps on the same state.
-        let mut cache = LayerKv::default();
-        let mut got = net.forward(Isa::detect(), &x[..5 * hidden], 5, &mut cache, &profile);
+        let mut state = be.new_recurrent(s);
+        let mut got = step(&mut state, 0..5);
         for t in 5..n {
-            got.extend(net.forward(Isa::detect(), &x[t * hidden..(t + 1) * hidden], 1, &mut cache, &profile));
+            got.extend(step(&mut state, t..t + 1));
         }
         for (t, w) in want.iter().enumerate() {
             for (i, w) in w.iter().enumerate() {
@@ -445,12 +379,41 @@ mod tests {
             }
         }
         // The same tokens one at a time reproduce the batched prefill bit for bit.
-        let mut one = LayerKv::default();
+        let mut one = be.new_recurrent(s);
         for t in 0..5 {
-            let y = net.forward(Isa::detect(), &x[t * hidden..(t + 1) * hidden], 1, &mut one, &profile);
-            assert_eq!(y, got[t * hidden..(t + 1) * hidden]);
+            assert_eq!(step(&mut one, t..t + 1), got[t * hidden..(t + 1) * hidden]);
         }
         assert_eq!(one.ssm.len(), s.v_heads * s.v_dim * s.k_dim);
+        // The reference backend's core agrees with the oracle too.
+        let rb = ReferenceBackend;
+        let rnet = GatedDeltaNet::<ReferenceBackend> {
+            proj: match &net.proj {
+                InProj::Split { qkv, z, b, a } => InProj::Split {
+                    qkv: rb.matrix(qkv).unwrap(),
+                    z: rb.matrix(z).unwrap(),
+                    b: rb.matrix(b).unwrap(),
+                    a: rb.matrix(a).unwrap(),
+                },
+                InProj::Grouped { .. } => unreachable!(),
+            },
+            weights: net.weights.clone(),
+            out: rb.matrix(&net.out).unwrap(),
+            shape: s,
+        };
+        let mut st = rb.new_recurrent(s);
+        let xs = rb.upload(x.clone(), hidden).unwrap();
+        let span = SeqSpan { rows: 0..n, pos0: 0 };
+        let y = rnet.forward(&rb, &xs, &[span], &mut [&mut st], &profile).unwrap();
+        let y = rb.to_host(&y).unwrap();
+        for (t, w) in want.iter().enumerate() {
+            for (i, w) in w.iter().enumerate() {
+                let g = y[t * hidden + i] as f64;
+                assert!(
+                    (g - w).abs() <= 1e-6 * (1.0 + w.abs()),
+                    "reference token {t} [{i}]: {g} vs {w}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::layers::{DecoderModel, ForwardOptions};
 use crate::location::ModelLocation;
+use crate::model::{DecoderModel, ForwardOptions};
 use crate::models::load_located;
 use crate::options::ExpertOptions;
 use crate::sampling::{Sampler, SamplingParams};
@@ -182,7 +182,7 @@ impl Pipeline {
             if generated.len() >= params.max_tokens {
                 break FinishReason::Length;
             }
-            if cache.len >= ctx {
+            if cache.len() >= ctx {
                 break FinishReason::Length;
             }
             logits = self.model.forward(&[next], &mut cache, &opts)?;

@@ -8,7 +8,7 @@ use std::hash::{Hash, Hasher};
 use std::path::Path;
 
 use crate::error::{ModelError, Result};
-use crate::layers::{DecoderModel, ForwardOptions};
+use crate::model::{DecoderModel, ForwardOptions};
 use crate::sampling::argmax;
 
 /// Absolute part of the logit tolerance.

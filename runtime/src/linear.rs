@@ -95,8 +95,13 @@ impl Linear {
 
     /// `x` is `[n, cols]`; returns `[n, rows]`.
     pub fn forward(&self, isa: Isa, x: &[f32], n: usize) -> Vec<f32> {
+        self.forward_with(isa, x, n, true)
+    }
+
+    /// [`Linear::forward`], with rows split across threads only when `parallel` (the result is the same).
+    pub fn forward_with(&self, isa: Isa, x: &[f32], n: usize, parallel: bool) -> Vec<f32> {
         let mut y = vec![0f32; n * self.rows];
-        self.mat().matmul(isa, x, n, &mut y);
+        self.mat().matmul_with(isa, x, n, &mut y, parallel);
         if let Some(b) = &self.bias {
             for row in y.chunks_mut(self.rows) {
                 row.iter_mut().zip(b).for_each(|(v, b)| *v += b);

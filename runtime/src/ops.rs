@@ -132,123 +132,6 @@ impl Rope {
     }
 }
 
-/// One layer's cache: keys/values `[positions, kv_heads · head_dim]` for attention layers, or the
-/// recurrent state of a linear-attention (Gated DeltaNet) layer.
-#[derive(Debug, Clone, Default)]
-pub struct LayerKv {
-    k: Vec<f32>,
-    v: Vec<f32>,
-    /// Linear attention: the last `kernel − 1` pre-convolution inputs, `[kernel − 1, conv_dim]`.
-    pub conv: Vec<f32>,
-    /// Linear attention: the recurrent state `S`, `[v_heads, v_head_dim, k_head_dim]`.
-    pub ssm: Vec<f32>,
-}
-
-impl LayerKv {
-    /// Cached positions, given the width of one position's keys.
-    pub fn positions(&self, kv_width: usize) -> usize {
-        self.k.len() / kv_width.max(1)
-    }
-}
-
-/// Per-layer caches of one sequence.
-#[derive(Debug, Clone, Default)]
-pub struct KvCache {
-    /// One per layer.
-    pub layers: Vec<LayerKv>,
-    /// Positions cached.
-    pub len: usize,
-    /// Per layer, the experts the last token was routed to (the prev-token prefetch prediction).
-    pub last_experts: Vec<Vec<usize>>,
-    /// The mlx backend's per-layer state (MLX arrays), when that backend runs this sequence.
-    #[cfg(feature = "mlx")]
-    pub(crate) mlx: Option<crate::mlx::MlxCache>,
-}
-
-/// A snapshot of a [`KvCache`] at one position: KV lengths (KV caches roll back by truncation) and full
-/// copies of every recurrent state (which cannot be rolled back otherwise).
-#[derive(Debug, Clone)]
-pub struct CacheCheckpoint {
-    len: usize,
-    kv_lens: Vec<usize>,
-    recurrent: Vec<(Vec<f32>, Vec<f32>)>,
-    last_experts: Vec<Vec<usize>>,
-    #[cfg(feature = "mlx")]
-    mlx: Option<crate::mlx::MlxCache>,
-}
-
-impl CacheCheckpoint {
-    /// The position the snapshot was taken at.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether it was taken before any token.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Bytes held by the copied recurrent states.
-    pub fn bytes(&self) -> usize {
-        self.recurrent.iter().map(|(c, s)| (c.len() + s.len()) * 4).sum()
-    }
-}
-
-impl KvCache {
-    /// An empty cache for `layers` layers.
-    pub fn new(layers: usize) -> Self {
-        Self {
-            layers: vec![LayerKv::default(); layers],
-            len: 0,
-            last_experts: vec![Vec::new(); layers],
-            #[cfg(feature = "mlx")]
-            mlx: None,
-        }
-    }
-
-    /// Snapshots the cache after its current position.
-    pub fn checkpoint(&self) -> CacheCheckpoint {
-        CacheCheckpoint {
-            len: self.len,
-            kv_lens: self.layers.iter().map(|l| l.k.len()).collect(),
-            recurrent: self.layers.iter().map(|l| (l.conv.clone(), l.ssm.clone())).collect(),
-            last_experts: self.last_experts.clone(),
-            // MLX arrays are immutable values: a clone shares them, and later steps make new ones.
-            #[cfg(feature = "mlx")]
-            mlx: self.mlx.clone(),
-        }
-    }
-
-    /// Returns the cache to `cp`'s position exactly: KV caches are truncated, recurrent states copied back.
-    /// `cp` must come from this sequence at or before its current position.
-    pub fn restore(&mut self, cp: &CacheCheckpoint) -> Result<()> {
-        let same_shape = cp.kv_lens.len() == self.layers.len()
-            && cp.len <= self.len
-            && cp.kv_lens.iter().zip(&self.layers).all(|(n, l)| *n <= l.k.len());
-        if !same_shape {
-            return Err(ModelError::InvalidArgument(format!(
-                "checkpoint at position {} does not belong to this cache (at position {}, {} layers)",
-                cp.len,
-                self.len,
-                self.layers.len()
-            )));
-        }
-        for (l, (n, (conv, ssm))) in self.layers.iter_mut().zip(cp.kv_lens.iter().zip(&cp.recurrent)) {
-            l.k.truncate(*n);
-            l.v.truncate(*n);
-            l.conv.clone_from(conv);
-            l.ssm.clone_from(ssm);
-        }
-        self.last_experts.clone_from(&cp.last_experts);
-        #[cfg(feature = "mlx")]
-        {
-            self.mlx.clone_from(&cp.mlx);
-        }
-        self.len = cp.len;
-        Ok(())
-    }
-}
-
 /// Shape of a grouped-query attention.
 #[derive(Debug, Clone, Copy)]
 pub struct AttnShape {
@@ -272,18 +155,15 @@ impl AttnShape {
     }
 }
 
-/// Causal GQA for `n` new tokens at positions `pos0..pos0+n`: appends `k`, `v` (`[n, kv_heads·head_dim]`)
-/// to the cache and returns `[n, heads·head_dim]`.
-pub fn attention(isa: Isa, s: AttnShape, q: &[f32], k: &[f32], v: &[f32], n: usize, cache: &mut LayerKv) -> Vec<f32> {
-    cache.k.extend_from_slice(k);
-    cache.v.extend_from_slice(v);
+/// Causal GQA for the last `n` positions of a sequence whose keys and values (`[positions, kv_heads·head_dim]`,
+/// those `n` included) are `kc`, `vc`; `q` is `[n, heads·head_dim]`. Returns `[n, heads·head_dim]`.
+pub fn attention(isa: Isa, s: AttnShape, q: &[f32], n: usize, kc: &[f32], vc: &[f32]) -> Vec<f32> {
     let (hd, kvw) = (s.head_dim, s.kv_heads * s.head_dim);
-    let total = cache.k.len() / kvw;
+    let total = kc.len() / kvw;
     let pos0 = total - n;
     let scale = 1.0 / (hd as f32).sqrt();
     let group = s.heads / s.kv_heads;
     let mut out = vec![0f32; n * s.heads * hd];
-    let (kc, vc) = (&cache.k, &cache.v);
     let work = |(i, o): (usize, &mut [f32])| {
         let (t, h) = (i / s.heads, i % s.heads);
         let kvh = h / group;
@@ -338,16 +218,7 @@ mod tests {
             kv_heads: 1,
             head_dim: 2,
         };
-        let mut c = LayerKv::default();
-        let o = attention(
-            Isa::Scalar,
-            s,
-            &[1.0, 2.0, 3.0, 4.0],
-            &[0.5, 0.5],
-            &[7.0, 9.0],
-            1,
-            &mut c,
-        );
+        let o = attention(Isa::Scalar, s, &[1.0, 2.0, 3.0, 4.0], 1, &[0.5, 0.5], &[7.0, 9.0]);
         assert_eq!(o, vec![7.0, 9.0, 7.0, 9.0]);
     }
 

@@ -1,7 +1,7 @@
 //! What the user chooses about serving: where experts live, how they are read, which backend computes, and
 //! the byte sizes users write (`512M`, `4GiB`).
 
-use crate::layers::PrefetchMode;
+use crate::model::PrefetchMode;
 
 /// Where expert weights live while serving.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -47,38 +47,41 @@ pub struct ExpertOptions {
     /// Speculative reads during decode.
     pub prefetch: PrefetchMode,
     /// Which implementation computes the forward pass.
-    pub backend: Backend,
+    pub backend: BackendKind,
     /// The context limit the KV budget is planned for (`None`: the planner's default).
     pub context: Option<usize>,
 }
 
-/// The compute backend.
+/// Which compute backend runs the model (see [`crate::backend`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Backend {
+pub enum BackendKind {
     /// sluice's own CPU kernels.
     Cpu,
     /// MLX through mlx-rs: Metal on macOS, MLX's CPU build on Linux (needs the `mlx` cargo feature).
     Mlx,
+    /// Naive f64 arithmetic: the oracle the tests check `cpu` against (slow; not for serving).
+    Reference,
 }
 
-impl Backend {
+impl BackendKind {
     /// `mlx` on macOS when compiled in, `cpu` elsewhere.
     pub fn default_for_build() -> Self {
         if cfg!(all(feature = "mlx", target_os = "macos")) {
-            Backend::Mlx
+            BackendKind::Mlx
         } else {
-            Backend::Cpu
+            BackendKind::Cpu
         }
     }
 }
 
-impl std::str::FromStr for Backend {
+impl std::str::FromStr for BackendKind {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         match s {
             "cpu" => Ok(Self::Cpu),
             "mlx" => Ok(Self::Mlx),
-            _ => Err(format!("unknown backend `{s}` (cpu, mlx)")),
+            "reference" => Ok(Self::Reference),
+            _ => Err(format!("unknown backend `{s}` (cpu, mlx, reference)")),
         }
     }
 }
@@ -92,7 +95,7 @@ impl Default for ExpertOptions {
             direct_io: false,
             verify: true,
             prefetch: PrefetchMode::None,
-            backend: Backend::default_for_build(),
+            backend: BackendKind::default_for_build(),
             context: None,
         }
     }

@@ -3,13 +3,12 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use expert_store::{Checkpoint, Dtype, PackedStore, StackedExperts, TensorInfo};
+use expert_store::{Checkpoint, Dtype, OwnedBytes, StackedExperts, TensorInfo};
 
 use crate::config::ModelConfig;
 use crate::cpu::{FloatType, MatRef};
 use crate::error::{ModelError, Result};
 use crate::linear::{Linear, WeightFormat};
-use crate::options::ExpertOptions;
 use crate::quant::QuantMode;
 
 /// Prefix MLX VLM-style checkpoints put before the language model's weights.
@@ -33,10 +32,6 @@ pub struct Weights {
     ckpt: Arc<Checkpoint>,
     config: ModelConfig,
     naming: Naming,
-    /// How expert records are served.
-    pub(crate) expert_opts: ExpertOptions,
-    /// The packed store the experts come from, if any.
-    pub(crate) store: Option<Arc<PackedStore>>,
 }
 
 fn float_type(d: Dtype) -> Option<FloatType> {
@@ -66,13 +61,7 @@ impl Weights {
         } else {
             Naming::Plain
         };
-        Ok(Self {
-            ckpt,
-            config,
-            naming,
-            expert_opts: ExpertOptions::default(),
-            store: None,
-        })
+        Ok(Self { ckpt, config, naming })
     }
 
     /// The parsed config.
@@ -334,6 +323,51 @@ pub struct ExpertLayout {
 }
 
 impl ExpertLayout {
+    /// Gate, up and down matrices over one record's parts (no copy: each holds its part's bytes, and so the
+    /// record's slot, while it lives).
+    pub fn linears(&self, inter: usize, hidden: usize, parts: &[OwnedBytes]) -> Result<[Linear; 3]> {
+        let [fg, fu, fd] = self.formats;
+        let (pg, pu, pd) = (fg.parts(), fu.parts(), fd.parts());
+        let need = if self.fused { pg + pd } else { pg + pu + pd };
+        if parts.len() != need {
+            return Err(ModelError::InvalidArgument(format!(
+                "an expert record has {} parts; its layout needs {need}",
+                parts.len()
+            )));
+        }
+        let (gate, up, down) = if self.fused {
+            // Row-major `[2·inter, ·]` parts: the first half of each part's bytes is the gate's rows.
+            let half = |p: &OwnedBytes, first: bool| {
+                let mid = p.len() / 2;
+                p.slice(if first { 0..mid } else { mid..p.len() })
+                    .ok_or_else(|| ModelError::InvalidArgument("a fused expert part cannot be halved".into()))
+            };
+            (
+                parts[..pg].iter().map(|p| half(p, true)).collect::<Result<Vec<_>>>()?,
+                parts[..pg].iter().map(|p| half(p, false)).collect::<Result<Vec<_>>>()?,
+                parts[pg..].to_vec(),
+            )
+        } else {
+            (
+                parts[..pg].to_vec(),
+                parts[pg..pg + pu].to_vec(),
+                parts[pg + pu..].to_vec(),
+            )
+        };
+        let linear = |format, rows, cols, parts| Linear {
+            format,
+            rows,
+            cols,
+            parts,
+            bias: None,
+        };
+        Ok([
+            linear(fg, inter, hidden, gate),
+            linear(fu, inter, hidden, up),
+            linear(fd, hidden, inter, down),
+        ])
+    }
+
     /// Gate, up and down views of one record's parts.
     pub fn views<'a>(&self, inter: usize, hidden: usize, parts: &[&'a [u8]]) -> [MatRef<'a>; 3] {
         let [fg, fu, fd] = self.formats;

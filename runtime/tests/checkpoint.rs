@@ -61,11 +61,11 @@ fn check_model(m: &DecoderModel, prompt: &[u32], what: &str, hybrid: bool) {
     // A checkpoint from the future is refused, and a refused restore leaves the cache alone.
     let mut fresh = m.new_cache();
     assert!(fresh.restore(&checkpoints[3]).is_err());
-    assert_eq!(fresh.len, 0);
+    assert_eq!(fresh.len(), 0);
     for &i in &[5usize, 1, 9, 0, 3, 9] {
         let cp = &checkpoints[i];
         cache.restore(cp).unwrap();
-        assert_eq!(cache.len, cp.len());
+        assert_eq!(cache.len(), cp.len());
         // Wander off: other tokens change every state...
         step(m, &mut cache, &[(tokens[0] + 1) % 7, 3, 4]);
         // ...and the restore must undo all of it: everything after the checkpoint comes out the same.
@@ -141,5 +141,5 @@ fn a_checkpoint_from_another_model_is_refused() {
     step(&b, &mut cb, &[1, 2, 3, 4]);
     let e = cb.restore(&ca.checkpoint()).unwrap_err().to_string();
     assert!(e.contains("does not belong to this cache"), "{e}");
-    assert_eq!(cb.len, 4);
+    assert_eq!(cb.len(), 4);
 }

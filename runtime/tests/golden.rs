@@ -106,7 +106,7 @@ fn decode_step_equals_prefill_position_bit_for_bit() {
         for t in &g.prompt_ids {
             last = m.forward(&[*t], &mut c2, &ForwardOptions::default()).unwrap();
         }
-        assert_eq!(c2.len, n);
+        assert_eq!(c2.len(), n);
         assert_eq!(batched, last, "{}", dir.display());
     }
 }

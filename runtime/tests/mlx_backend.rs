@@ -10,14 +10,14 @@ use std::path::Path;
 
 use sluice_runtime::config::ModelConfig;
 use sluice_runtime::sampling::argmax;
-use sluice_runtime::{load_model_with, Backend, DecoderModel, ExpertMode, ExpertOptions, ForwardOptions};
+use sluice_runtime::{load_model_with, BackendKind, DecoderModel, ExpertMode, ExpertOptions, ForwardOptions};
 
 #[derive(serde::Deserialize)]
 struct Golden {
     prompt_ids: Vec<u32>,
 }
 
-fn load(dir: &Path, backend: Backend, mode: ExpertMode, cache_bytes: Option<u64>) -> DecoderModel {
+fn load(dir: &Path, backend: BackendKind, mode: ExpertMode, cache_bytes: Option<u64>) -> DecoderModel {
     let opts = ExpertOptions {
         backend,
         mode,
@@ -63,8 +63,8 @@ fn mlx_matches_cpu_on_every_fixture() {
     for dir in fixtures() {
         let g: Golden = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
         let name = dir.file_name().unwrap().to_string_lossy().into_owned();
-        let cpu = trace(&load(&dir, Backend::Cpu, ExpertMode::Mmap, None), &g.prompt_ids, 16);
-        let mlx = trace(&load(&dir, Backend::Mlx, ExpertMode::Mmap, None), &g.prompt_ids, 16);
+        let cpu = trace(&load(&dir, BackendKind::Cpu, ExpertMode::Mmap, None), &g.prompt_ids, 16);
+        let mlx = trace(&load(&dir, BackendKind::Mlx, ExpertMode::Mmap, None), &g.prompt_ids, 16);
         let mut worst = assert_close(&format!("{name} prefill"), &mlx.0, &cpu.0);
         assert_eq!(mlx.1, cpu.1, "{name}: greedy tokens");
         for (i, (a, b)) in mlx.2.iter().zip(&cpu.2).enumerate() {
@@ -78,13 +78,13 @@ fn mlx_matches_cpu_on_every_fixture() {
 fn mlx_streamed_equals_resident_bit_for_bit() {
     for dir in fixtures() {
         let g: Golden = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
-        let resident = load(&dir, Backend::Mlx, ExpertMode::Resident, None);
+        let resident = load(&dir, BackendKind::Mlx, ExpertMode::Resident, None);
         if resident.info.num_experts == 0 {
             continue;
         }
         let want = trace(&resident, &g.prompt_ids, 5);
         // A slot budget of a few records: experts are evicted and read again within a step.
-        let streamed = load(&dir, Backend::Mlx, ExpertMode::Stream, Some(96 << 10));
+        let streamed = load(&dir, BackendKind::Mlx, ExpertMode::Stream, Some(96 << 10));
         assert!(streamed.expert_slots().is_some());
         let got = trace(&streamed, &g.prompt_ids, 5);
         assert!(got == want, "{}: streamed differs from resident on mlx", dir.display());
@@ -94,7 +94,7 @@ fn mlx_streamed_equals_resident_bit_for_bit() {
 #[test]
 fn mlx_checkpoints_restore_exactly() {
     let dir = common::fixture("qwen3_5_moe-q4g64");
-    let m = load(&dir, Backend::Mlx, ExpertMode::Mmap, None);
+    let m = load(&dir, BackendKind::Mlx, ExpertMode::Mmap, None);
     let mut cache = m.new_cache();
     let opts = ForwardOptions::default();
     m.forward(&[5, 6, 7, 8], &mut cache, &opts).unwrap();

@@ -12,7 +12,6 @@ use std::sync::Arc;
 
 use expert_store::{EngineOptions, ExpertSource, PackedStore, PosixFile, ReadAt, StreamingSource};
 use sluice_runtime::config::ModelConfig;
-use sluice_runtime::layers::Ffn;
 use sluice_runtime::sampling::argmax;
 use sluice_runtime::{
     convert_model, load_model_with, DecoderModel, ExpertMode, ExpertOptions, ForwardOptions, GenerateParams, Pipeline,
@@ -137,11 +136,7 @@ fn counters_account_for_every_read() {
     let experts = s.manifest().layers[0].records.len() as u64;
     // Budget of exactly one layer: every layer change evicts, so misses are frequent.
     let m = load(&store, &stream(record * experts, 2, PrefetchMode::None, false));
-    let c = m.layers.iter().find_map(|l| match &l.ffn {
-        Ffn::Moe(moe) => moe.experts.counters(),
-        _ => None,
-    });
-    let c = c.unwrap();
+    let c = m.expert_counters().unwrap();
     trace(&m, 6);
     let snap = c.snapshot();
     assert!(snap.misses > 0 && snap.hits + snap.misses > 0);
@@ -158,10 +153,7 @@ fn counters_account_for_every_read() {
 
     // With prefetch, predictions are counted and used ones show up as prefetch hits.
     let m = load(&store, &stream(record * 5, 2, PrefetchMode::PrevToken, false));
-    let c = match &m.layers[0].ffn {
-        Ffn::Moe(moe) => moe.experts.counters().unwrap(),
-        _ => unreachable!(),
-    };
+    let c = m.expert_counters().unwrap();
     trace(&m, 8);
     let snap = c.snapshot();
     assert!(snap.prefetch_issued > 0, "{snap:?}");
@@ -225,11 +217,7 @@ fn read_error_fails_one_generation_and_the_engine_recovers() {
         .unwrap();
         text
     };
-    for l in &mut p.model.layers {
-        if let Ffn::Moe(moe) = &mut l.ffn {
-            moe.experts = Arc::clone(&engine);
-        }
-    }
+    p.model.set_expert_source(Arc::clone(&engine));
     let err = p
         .generate(&Prompt::Raw("The fox".into()), &params(), |_| true)
         .unwrap_err()

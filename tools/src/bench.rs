@@ -216,7 +216,7 @@ fn measure(m: &DecoderModel, name: &str, tokens: &[u32], prompt: usize, top_k: u
     let counters = m.expert_counters();
     let mut cache = m.new_cache();
     let snap = || counters.as_ref().map(|c| c.snapshot()).unwrap_or_default();
-    let (prefill_counters, prefill_parts) = (snap(), m.profile.snapshot());
+    let (prefill_counters, prefill_parts) = (snap(), m.profile().snapshot());
     let t0 = Instant::now();
     for chunk in tokens[..prompt].chunks(512) {
         m.forward(chunk, &mut cache, &opts)?;
@@ -229,7 +229,7 @@ fn measure(m: &DecoderModel, name: &str, tokens: &[u32], prompt: usize, top_k: u
         prefill.as_secs_f64(),
     );
     let before = counters.as_ref().map(|c| c.snapshot());
-    let parts_before = m.profile.snapshot();
+    let parts_before = m.profile().snapshot();
     let t1 = Instant::now();
     for &t in &tokens[prompt..] {
         m.forward(&[t], &mut cache, &opts)?;
@@ -272,7 +272,7 @@ fn measure(m: &DecoderModel, name: &str, tokens: &[u32], prompt: usize, top_k: u
 fn time_split(m: &DecoderModel, before: &[(Part, f64)], io_wait: f64, secs: f64) -> Vec<(String, f64)> {
     let mut split = Vec::new();
     let mut accounted = 0.0;
-    for ((p, after), (_, before)) in m.profile.snapshot().into_iter().zip(before) {
+    for ((p, after), (_, before)) in m.profile().snapshot().into_iter().zip(before) {
         let t = after - before - if p == Part::RoutedExperts { io_wait } else { 0.0 };
         accounted += t;
         split.push((p.name().to_string(), t / secs));

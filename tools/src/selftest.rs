@@ -13,7 +13,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser};
 use sluice_runtime::config::ModelConfig;
 use sluice_runtime::golden::{self, Golden, GoldenReport};
-use sluice_runtime::{load_model_with, Backend, ExpertMode, ExpertOptions};
+use sluice_runtime::{load_model_with, BackendKind, ExpertMode, ExpertOptions};
 
 use crate::bench::{self, BenchArgs};
 use crate::synth::{self, SynthArgs};
@@ -26,7 +26,7 @@ pub struct SelftestArgs {
     fixtures: Option<PathBuf>,
     /// Compute backend: cpu or mlx (default: the one `generate` uses on this machine).
     #[arg(long, env = "SLUICE_BACKEND")]
-    backend: Option<Backend>,
+    backend: Option<BackendKind>,
     /// Only the fixtures whose name contains this.
     #[arg(long)]
     only: Option<String>,
@@ -76,7 +76,7 @@ impl FixtureResult {
 /// Runs `sluice selftest`; fails (non-zero exit) naming every fixture that did not pass.
 pub fn run(a: SelftestArgs) -> Result<()> {
     crate::set_threads(a.threads)?;
-    let backend = a.backend.unwrap_or_else(Backend::default_for_build);
+    let backend = a.backend.unwrap_or_else(BackendKind::default_for_build);
     let root = find_fixtures(a.fixtures.as_deref())?;
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
         .with_context(|| format!("reading {}", root.display()))?
@@ -187,7 +187,7 @@ fn gib(b: u64) -> String {
     format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)
 }
 
-fn print_header(backend: Backend, root: &Path, n: usize) {
+fn print_header(backend: BackendKind, root: &Path, n: usize) {
     use expert_store::platform;
     println!("## sluice selftest");
     println!();
@@ -222,7 +222,7 @@ fn print_header(backend: Backend, root: &Path, n: usize) {
 }
 
 /// The golden checks with experts resident, then streamed through a cache of one layer's worth of slots.
-fn check_fixture(dir: &Path, backend: Backend) -> FixtureResult {
+fn check_fixture(dir: &Path, backend: BackendKind) -> FixtureResult {
     let name = name_of(dir);
     let golden = match Golden::load(dir) {
         Ok(g) => g,
@@ -270,7 +270,7 @@ fn check_fixture(dir: &Path, backend: Backend) -> FixtureResult {
 
 /// Writes a Qwen3-30B-A3B-shaped model of `--bench-size`, benches it resident-or-auto with cold and warm runs
 /// and the probes, prints the figures, and deletes the model.
-fn run_bench(a: &SelftestArgs, backend: Backend) -> Result<()> {
+fn run_bench(a: &SelftestArgs, backend: BackendKind) -> Result<()> {
     let parent = a.bench_dir.clone().unwrap_or_else(std::env::temp_dir);
     let tmp = tempfile::Builder::new()
         .prefix("sluice-selftest-")

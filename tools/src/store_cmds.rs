@@ -6,7 +6,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use expert_store::PackedStore;
 use indicatif::{ProgressBar, ProgressStyle};
-use sluice_runtime::{convert_model, Backend, ExpertMode, ExpertOptions, PrefetchMode};
+use sluice_runtime::{convert_model, BackendKind, ExpertMode, ExpertOptions, PrefetchMode};
 
 /// Flags that choose how experts are served (generate, bench, serve).
 #[derive(Args, Clone, Debug)]
@@ -38,7 +38,7 @@ pub struct EngineArgs {
     /// Compute backend: `cpu` (sluice's kernels) or `mlx` (MLX: Metal on macOS; needs a build with
     /// `--features mlx`). Default: mlx on macOS when compiled in, else cpu.
     #[arg(long, env = "SLUICE_BACKEND")]
-    pub backend: Option<Backend>,
+    pub backend: Option<BackendKind>,
     /// Print the memory plan (every budget, from the machine's memory and these flags) when the model loads.
     #[arg(short = 'v', long, env = "SLUICE_VERBOSE")]
     pub verbose: bool,
@@ -71,7 +71,7 @@ impl EngineArgs {
             direct_io: self.direct_io,
             verify: !self.no_verify,
             prefetch: self.prefetch,
-            backend: self.backend.unwrap_or_else(Backend::default_for_build),
+            backend: self.backend.unwrap_or_else(BackendKind::default_for_build),
             context: None,
         })
     }

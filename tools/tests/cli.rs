@@ -258,7 +258,7 @@ fn bad_flags_are_rejected() {
     let out = sluice(&["generate", "--model", dir.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(2), "clap usage error");
     let err = fails(&dir, &["--backend", "gpu"]);
-    assert!(err.contains("unknown backend `gpu` (cpu, mlx)"), "{err}");
+    assert!(err.contains("unknown backend `gpu` (cpu, mlx, reference)"), "{err}");
 }
 
 #[test]

@@ -8,7 +8,7 @@ use serde::Deserialize;
 use super::{Architecture, DecoderDims, FfnPlan};
 use crate::config::RopeScaling;
 use crate::error::Result;
-use crate::layers::RouterKind;
+use crate::moe::RouterKind;
 use crate::ops::{AttnShape, Rope};
 use crate::weights::Weights;
 

@@ -7,19 +7,23 @@ mod qwen3_next;
 use std::path::Path;
 use std::sync::Arc;
 
+use expert_store::{ExpertSource, StackedExperts};
+
+use crate::attention::{Attention, AttnSpec};
+use crate::backend::cpu::CpuBackend;
+use crate::backend::reference::ReferenceBackend;
+use crate::backend::Backend;
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::expert_source::open_source;
 use crate::gated_delta::{DeltaShape, GatedDeltaNet};
-use crate::layers::{
-    Attention, AttnSpec, DecoderLayer, DecoderModel, Ffn, Mixer, Mlp, ModelInfo, RouterKind, SharedExpert, SparseMoe,
-};
 use crate::location::ModelLocation;
 use crate::memory_plan::ModelFootprint;
+use crate::model::{next_model_id, DecoderLayer, DecoderModel, Ffn, Mixer, Model, ModelInfo, PrefetchMode, Runner};
+use crate::moe::{Mlp, RouterKind, SharedExpert, SparseMoe};
 use crate::ops::{AttnShape, Rope};
-use crate::options::{Backend, ExpertOptions};
+use crate::options::{BackendKind, ExpertOptions};
 use crate::weights::{ExpertLayout, Weights};
-use expert_store::StackedExperts;
 
 type Describe = fn(&Weights) -> Result<Architecture>;
 
@@ -53,26 +57,54 @@ pub fn load_model_with(path: &Path, config: ModelConfig, opts: &ExpertOptions) -
 
 /// [`load_model_with`] for an already resolved location (the store's manifest is read once).
 pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &ExpertOptions) -> Result<DecoderModel> {
-    let mut weights = Weights::open(loc.model_dir(), config)?;
-    weights.expert_opts = opts.clone();
-    if let ModelLocation::Store(store, _) = loc {
-        weights.store = Some(Arc::clone(store));
-    }
+    let weights = Weights::open(loc.model_dir(), config)?;
     let arch = describe(&weights)?;
-    #[allow(unused_mut)]
-    let mut model = build_decoder(&weights, arch)?;
-    match opts.backend {
-        Backend::Cpu => {}
+    let num_experts = arch.num_experts();
+    arch.dims.validate(weights.config(), num_experts.unwrap_or(0))?;
+    // Expert layouts of every MoE layer first: one expert source serves them all.
+    let (layouts, stacks) = arch.expert_layouts(&weights)?;
+    let store = match loc {
+        ModelLocation::Store(store, _) => Some(store.as_ref()),
+        ModelLocation::Dir(_) => None,
+    };
+    let (source, memory_plan) = open_source(weights.checkpoint(), &stacks, store, opts, footprint(&arch.dims))?;
+    let d = &arch.dims;
+    let info = ModelInfo {
+        model_type: weights.config().model_type.clone(),
+        vocab_size: d.vocab,
+        context_length: d.context_length,
+        num_experts: num_experts.unwrap_or(0),
+        default_top_k: d.top_k,
+        router: d.router,
+        num_layers: d.layers,
+        moe_layers: stacks.len(),
+        expert_record_bytes: crate::expert_source::record_bytes(weights.checkpoint(), &stacks, store),
+    };
+    let parts = Parts {
+        w: &weights,
+        arch,
+        layouts,
+        source,
+        info: info.clone(),
+        prefetch: opts.prefetch,
+    };
+    let runner: Box<dyn Runner> = match opts.backend {
+        BackendKind::Cpu => Box::new(build_decoder(CpuBackend, parts)?),
+        BackendKind::Reference => Box::new(build_decoder(ReferenceBackend, parts)?),
         #[cfg(feature = "mlx")]
-        Backend::Mlx => model.mlx = Some(Box::new(crate::mlx::MlxModel::new(&model)?)),
+        BackendKind::Mlx => Box::new(build_decoder(crate::backend::mlx::MlxBackend, parts)?),
         #[cfg(not(feature = "mlx"))]
-        Backend::Mlx => {
+        BackendKind::Mlx => {
             return Err(ModelError::InvalidArgument(
                 "this build has no mlx backend: rebuild with `--features mlx` (see the README)".into(),
             ))
         }
-    }
-    Ok(model)
+    };
+    Ok(DecoderModel {
+        info,
+        memory_plan,
+        runner,
+    })
 }
 
 /// What the checkpoint's `model_type` says its layers are, checked against its tensors' names.
@@ -222,19 +254,34 @@ fn footprint(d: &DecoderDims) -> ModelFootprint {
     }
 }
 
+/// Everything a backend's model is built from.
+struct Parts<'a> {
+    w: &'a Weights,
+    arch: Architecture,
+    /// One per MoE layer, in layer order.
+    layouts: Vec<ExpertLayout>,
+    source: Arc<dyn ExpertSource>,
+    info: ModelInfo,
+    prefetch: PrefetchMode,
+}
+
 /// Assembles embedding, layers (attention at `model.layers.N.self_attn`, or for hybrids linear attention at
-/// `model.layers.N.linear_attn`; FFN per the architecture's plan), norm and head.
-pub(crate) fn build_decoder(w: &Weights, arch: Architecture) -> Result<DecoderModel> {
-    let num_experts = arch.num_experts();
-    arch.dims.validate(w.config(), num_experts.unwrap_or(0))?;
-    // Expert layouts of every MoE layer first: one expert source serves them all.
-    let (formats, stacks) = arch.expert_layouts(w)?;
+/// `model.layers.N.linear_attn`; FFN per the architecture's plan), norm and head, on backend `be`.
+fn build_decoder<B: Backend>(be: B, p: Parts<'_>) -> Result<Model<B>> {
+    let Parts {
+        w,
+        arch,
+        layouts,
+        source,
+        info,
+        prefetch,
+    } = p;
     let Architecture { dims: d, ffn: plans } = arch;
     let offset = d.hybrid.as_ref().map_or(0.0, |h| h.norm_offset);
-    let norm = |path: &str| -> Result<Vec<f32>> {
+    let norm = |path: &str| -> Result<B::Vector> {
         let mut v = w.vector(path, d.hidden)?;
         v.iter_mut().for_each(|x| *x += offset);
-        Ok(v)
+        be.vector(&v)
     };
     let attn_spec = AttnSpec {
         shape: d.attn,
@@ -244,50 +291,55 @@ pub(crate) fn build_decoder(w: &Weights, arch: Architecture) -> Result<DecoderMo
         output_gate: d.hybrid.is_some(),
         norm_offset: offset,
     };
-    let footprint = footprint(&d);
-    let (source, memory_plan) = open_source(w.checkpoint(), &stacks, w.store.as_deref(), &w.expert_opts, footprint)?;
-    let mut formats = formats.into_iter();
+    let mut layouts = layouts.into_iter();
     let mut layers = Vec::with_capacity(d.layers);
     for (i, p) in plans.iter().enumerate() {
         let base = format!("model.layers.{i}");
         let ffn = match p {
-            FfnPlan::Dense { prefix, inter } => Ffn::Dense(Mlp::load(w, prefix, d.hidden, *inter)?),
+            FfnPlan::Dense { prefix, inter } => Ffn::Dense(Mlp::load(&be, w, prefix, d.hidden, *inter)?),
             FfnPlan::Moe {
                 prefix,
                 num_experts,
                 inter,
                 shared,
             } => Ffn::Moe(SparseMoe {
-                router: w.linear(&format!("{prefix}.gate"), *num_experts, d.hidden)?,
+                router: be.matrix(&w.linear(&format!("{prefix}.gate"), *num_experts, d.hidden)?)?,
                 kind: d.router,
                 layer: i,
                 num_experts: *num_experts,
                 hidden: d.hidden,
                 inter: *inter,
-                layout: formats.next().expect("one layout per MoE layer"),
+                layout: layouts.next().expect("one layout per MoE layer"),
                 experts: Arc::clone(&source),
                 shared: match shared {
-                    Some(si) => Some(Box::new(SharedExpert {
-                        mlp: Mlp::load(w, &format!("{prefix}.shared_expert"), d.hidden, *si)?,
+                    Some(si) => Some(SharedExpert {
+                        mlp: Mlp::load(&be, w, &format!("{prefix}.shared_expert"), d.hidden, *si)?,
                         gate: if w.has(&format!("{prefix}.shared_expert_gate.weight")) {
-                            Some(w.linear(&format!("{prefix}.shared_expert_gate"), 1, d.hidden)?)
+                            Some(be.matrix(&w.linear(&format!("{prefix}.shared_expert_gate"), 1, d.hidden)?)?)
                         } else {
                             None
                         },
-                    })),
+                    }),
                     None => None,
                 },
             }),
         };
         let mixer = match &d.hybrid {
             Some(h) if h.linear[i] => Mixer::Linear(GatedDeltaNet::load(
+                &be,
                 w,
                 &format!("{base}.linear_attn"),
                 d.hidden,
                 h.delta,
                 d.eps,
             )?),
-            _ => Mixer::Attention(Attention::load(w, &format!("{base}.self_attn"), d.hidden, &attn_spec)?),
+            _ => Mixer::Attention(Attention::load(
+                &be,
+                w,
+                &format!("{base}.self_attn"),
+                d.hidden,
+                &attn_spec,
+            )?),
         };
         layers.push(DecoderLayer {
             input_norm: norm(&format!("{base}.input_layernorm.weight"))?,
@@ -298,34 +350,21 @@ pub(crate) fn build_decoder(w: &Weights, arch: Architecture) -> Result<DecoderMo
     }
     let embed = w.linear("model.embed_tokens", d.vocab, d.hidden)?;
     let lm_head = if d.tie_embeddings {
-        embed.clone()
+        be.matrix(&embed)?
     } else {
-        w.linear("lm_head", d.vocab, d.hidden)?
+        be.matrix(&w.linear("lm_head", d.vocab, d.hidden)?)?
     };
-    let c = w.config();
-    Ok(DecoderModel {
-        info: ModelInfo {
-            model_type: c.model_type.clone(),
-            vocab_size: d.vocab,
-            context_length: d.context_length,
-            num_experts: num_experts.unwrap_or(0),
-            default_top_k: d.top_k,
-            router: d.router,
-            num_layers: d.layers,
-            moe_layers: stacks.len(),
-            expert_record_bytes: crate::expert_source::record_bytes(w.checkpoint(), &stacks, w.store.as_deref()),
-        },
+    Ok(Model {
+        id: next_model_id(),
+        info,
         embed,
         layers,
         norm: norm("model.norm.weight")?,
         lm_head,
         eps: d.eps,
         hidden: d.hidden,
-        prefetch: w.expert_opts.prefetch,
-        expert_stacks: stacks,
-        memory_plan,
+        prefetch,
         profile: Default::default(),
-        #[cfg(feature = "mlx")]
-        mlx: None,
+        be,
     })
 }

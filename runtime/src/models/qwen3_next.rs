@@ -17,7 +17,7 @@ use super::{Architecture, DecoderDims, FfnPlan, Hybrid};
 use crate::config::RopeScaling;
 use crate::error::Result;
 use crate::gated_delta::DeltaShape;
-use crate::layers::RouterKind;
+use crate::moe::RouterKind;
 use crate::ops::{AttnShape, Rope};
 use crate::weights::Weights;
 

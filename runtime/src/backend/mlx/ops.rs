@@ -26,13 +26,8 @@ pub(super) fn scalar(v: f32) -> Array {
     Array::from_f32(v)
 }
 
-/// RMSNorm over the last axis with weight `w`.
-pub(super) fn rms_norm(x: &Array, w: &Array, eps: f32) -> Result<Array> {
-    mlx_rs::fast::rms_norm(x, Some(w), eps).map_err(err)
-}
-
 /// A weight matrix `[rows, cols]` on the device.
-pub(super) enum MlxLinear {
+pub enum MlxLinear {
     /// MLX affine-quantized: packed codes `[rows, cols·bits/32]` (u32), f32 scales and biases `[rows, groups]`.
     Quant {
         w: Array,

@@ -1,0 +1,464 @@
+//! The `cpu` backend: f32 activations on the host, weights viewed in place (mmap'd checkpoints, expert-store
+//! slots) and multiplied by sluice's SIMD kernels (`crate::cpu`), rayon across rows, heads and experts.
+//!
+//! Every output element is computed by one thread in a fixed order, so results do not depend on the thread
+//! count or on how many tokens (or sequences) share a call: a batch equals each sequence run alone, bit for bit.
+
+use rayon::prelude::*;
+
+use expert_store::ExpertRecord;
+
+use super::{Backend, ExpertJob, KvState, Pick, RecurrentState, SeqSpan};
+use crate::cpu::Isa;
+use crate::error::{ModelError, Result};
+use crate::gated_delta::{sigmoid, silu, softplus, DeltaParams, DeltaShape};
+use crate::linear::Linear;
+use crate::ops::{self, AttnShape, Rope};
+use crate::weights::ExpertLayout;
+
+/// sluice's own kernels.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CpuBackend;
+
+/// Row-major `[rows, cols]` f32 values.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CpuTensor {
+    /// The values.
+    pub data: Vec<f32>,
+    /// Row width.
+    pub cols: usize,
+}
+
+impl CpuTensor {
+    /// Rows.
+    pub fn rows(&self) -> usize {
+        self.data.len() / self.cols.max(1)
+    }
+
+    fn row(&self, r: usize) -> &[f32] {
+        &self.data[r * self.cols..(r + 1) * self.cols]
+    }
+}
+
+/// Keys and values `[positions, kv_heads · head_dim]`.
+#[derive(Debug, Clone)]
+pub struct CpuKv {
+    pub(crate) k: Vec<f32>,
+    pub(crate) v: Vec<f32>,
+    width: usize,
+}
+
+impl KvState for CpuKv {
+    fn len(&self) -> usize {
+        self.k.len() / self.width.max(1)
+    }
+    fn truncate(&mut self, len: usize) {
+        self.k.truncate(len * self.width);
+        self.v.truncate(len * self.width);
+    }
+}
+
+/// The last `kernel − 1` pre-conv inputs `[kernel − 1, conv_dim]` and the state `S [v_heads, Dv, Dk]`, with the
+/// next ones a forward writes (out of place: committing is a swap, discarding costs nothing).
+#[derive(Debug)]
+pub struct CpuRecurrent {
+    pub(crate) conv: Vec<f32>,
+    pub(crate) ssm: Vec<f32>,
+    next: Option<(Vec<f32>, Vec<f32>)>,
+    /// Buffers of an earlier state, reused for the next one.
+    spare: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+impl Clone for CpuRecurrent {
+    /// The current state only (a snapshot).
+    fn clone(&self) -> Self {
+        Self {
+            conv: self.conv.clone(),
+            ssm: self.ssm.clone(),
+            next: None,
+            spare: None,
+        }
+    }
+}
+
+impl RecurrentState for CpuRecurrent {
+    fn commit(&mut self) {
+        if let Some((conv, ssm)) = self.next.take() {
+            let old = (
+                std::mem::replace(&mut self.conv, conv),
+                std::mem::replace(&mut self.ssm, ssm),
+            );
+            self.spare = Some(old);
+        }
+    }
+    fn discard(&mut self) {
+        if let Some(n) = self.next.take() {
+            self.spare = Some(n);
+        }
+    }
+    fn bytes(&self) -> usize {
+        (self.conv.len() + self.ssm.len()) * 4
+    }
+}
+
+fn shape_error(what: &str) -> ModelError {
+    ModelError::Backend(format!("cpu: {what}"))
+}
+
+impl CpuBackend {
+    fn zip(&self, a: &CpuTensor, b: &CpuTensor, f: impl Fn(f32, f32) -> f32) -> Result<CpuTensor> {
+        if a.data.len() != b.data.len() {
+            return Err(shape_error("element-wise operands differ in size"));
+        }
+        Ok(CpuTensor {
+            data: a.data.iter().zip(&b.data).map(|(&x, &y)| f(x, y)).collect(),
+            cols: a.cols,
+        })
+    }
+
+    /// One sequence's Gated DeltaNet core over its `n` rows (`u`: pre-conv `qkv`).
+    #[allow(clippy::too_many_arguments)]
+    fn delta_one(
+        &self,
+        p: &DeltaParams,
+        qkv: &[f32],
+        z: &[f32],
+        b: &[f32],
+        a: &[f32],
+        n: usize,
+        st: &mut CpuRecurrent,
+        out: &mut [f32],
+    ) {
+        let isa = Isa::detect();
+        let s = p.shape;
+        let (c, k, kd, vd, dk, dv) = (s.conv_dim(), s.kernel, s.key_dim(), s.value_dim(), s.k_dim, s.v_dim);
+        // Causal depthwise conv over the history, then SiLU; the new history is the window's tail.
+        let mut window = Vec::with_capacity((k - 1 + n) * c);
+        window.extend_from_slice(&st.conv);
+        window.extend_from_slice(qkv);
+        let mut u = vec![0f32; n * c];
+        let conv = |(t, o): (usize, &mut [f32])| {
+            for (ch, o) in o.iter_mut().enumerate() {
+                let taps = &p.conv[ch * k..(ch + 1) * k];
+                let acc = taps
+                    .iter()
+                    .enumerate()
+                    .fold(0f32, |acc, (j, w)| acc + window[(t + j) * c + ch] * w);
+                *o = silu(acc);
+            }
+        };
+        if n * c * k < 1 << 16 {
+            u.chunks_mut(c).enumerate().for_each(conv);
+        } else {
+            u.par_chunks_mut(c).enumerate().for_each(conv);
+        }
+        let (mut next_conv, mut next_ssm) = st.spare.take().unwrap_or_default();
+        next_conv.clear();
+        next_conv.extend_from_slice(&window[n * c..]);
+        next_ssm.resize(st.ssm.len(), 0.0);
+        // q = l2norm(q)/√Dk, k = l2norm(k), as mlx-lm does it: an RMSNorm with eps 1e-6/Dk, scaled.
+        let inv = 1.0 / (dk as f32).sqrt();
+        let rms_eps = 1e-6 * inv * inv;
+        for row in u.chunks_mut(c) {
+            let (q, rest) = row.split_at_mut(kd);
+            let kk = &mut rest[..kd];
+            for (head, scale) in [(q, inv * inv), (kk, inv)] {
+                for h in head.chunks_mut(dk) {
+                    let ms = h.iter().map(|v| v * v).sum::<f32>() / dk as f32;
+                    let r = 1.0 / (ms + rms_eps).sqrt();
+                    h.iter_mut().for_each(|v| *v = scale * (*v * r));
+                }
+            }
+        }
+        let beta: Vec<f32> = b.iter().map(|&b| sigmoid(b)).collect();
+        let decay: Vec<f32> = a
+            .iter()
+            .enumerate()
+            .map(|(i, &a)| {
+                let h = i % s.v_heads;
+                (-p.decay_rate[h] * softplus(a + p.dt_bias[h])).exp()
+            })
+            .collect();
+        // Each v-head's state is independent: heads in parallel, tokens in order inside a head. The first token
+        // reads the current state and writes the next one; later tokens update the next one in place.
+        let r = s.v_heads / s.k_heads;
+        let per_head: Vec<Vec<f32>> = next_ssm
+            .par_chunks_mut(dv * dk)
+            .zip(st.ssm.par_chunks(dv * dk))
+            .enumerate()
+            .map(|(h, (next, cur))| {
+                let kh = h / r;
+                let mut y = vec![0f32; n * dv];
+                for t in 0..n {
+                    let row = &u[t * c..(t + 1) * c];
+                    let q = &row[kh * dk..(kh + 1) * dk];
+                    let kv = &row[kd + kh * dk..kd + (kh + 1) * dk];
+                    let v = &row[2 * kd + h * dv..2 * kd + (h + 1) * dv];
+                    let (g, b) = (decay[t * s.v_heads + h], beta[t * s.v_heads + h]);
+                    for (i, srow) in next.chunks_mut(dk).enumerate() {
+                        if t == 0 {
+                            let src = &cur[i * dk..(i + 1) * dk];
+                            srow.iter_mut().zip(src).for_each(|(x, s)| *x = s * g);
+                        } else {
+                            srow.iter_mut().for_each(|x| *x *= g);
+                        }
+                        let delta = (v[i] - isa.dot(srow, kv)) * b;
+                        srow.iter_mut().zip(kv).for_each(|(x, kj)| *x += kj * delta);
+                        y[t * dv + i] = isa.dot(srow, q);
+                    }
+                }
+                y
+            })
+            .collect();
+        // Gated RMSNorm per head: rms_norm(y) ⊙ silu(z).
+        for (h, y) in per_head.iter().enumerate() {
+            for t in 0..n {
+                let dst = &mut out[t * vd + h * dv..t * vd + (h + 1) * dv];
+                dst.copy_from_slice(&y[t * dv..(t + 1) * dv]);
+                ops::rms_norm(dst, &p.norm, p.eps);
+                let z = &z[t * vd + h * dv..t * vd + (h + 1) * dv];
+                dst.iter_mut().zip(z).for_each(|(d, &z)| *d *= silu(z));
+            }
+        }
+        st.next = Some((next_conv, next_ssm));
+    }
+}
+
+impl Backend for CpuBackend {
+    type Tensor = CpuTensor;
+    type Matrix = Linear;
+    type Vector = Vec<f32>;
+    type DeltaWeights = DeltaParams;
+    type Kv = CpuKv;
+    type Recurrent = CpuRecurrent;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn matrix(&self, l: &Linear) -> Result<Linear> {
+        Ok(l.clone())
+    }
+
+    fn vector(&self, v: &[f32]) -> Result<Vec<f32>> {
+        Ok(v.to_vec())
+    }
+
+    fn delta_weights(&self, p: &DeltaParams) -> Result<DeltaParams> {
+        Ok(p.clone())
+    }
+
+    fn expert(&self, layout: &ExpertLayout, inter: usize, hidden: usize, rec: &ExpertRecord) -> Result<[Linear; 3]> {
+        layout.linears(inter, hidden, &rec.parts)
+    }
+
+    fn new_kv(&self, shape: AttnShape) -> CpuKv {
+        CpuKv {
+            k: Vec::new(),
+            v: Vec::new(),
+            width: shape.kv_heads * shape.head_dim,
+        }
+    }
+
+    fn new_recurrent(&self, s: DeltaShape) -> CpuRecurrent {
+        CpuRecurrent {
+            conv: vec![0f32; (s.kernel - 1) * s.conv_dim()],
+            ssm: vec![0f32; s.v_heads * s.v_dim * s.k_dim],
+            next: None,
+            spare: None,
+        }
+    }
+
+    fn upload(&self, data: Vec<f32>, cols: usize) -> Result<CpuTensor> {
+        if cols == 0 || !data.len().is_multiple_of(cols) {
+            return Err(shape_error("host data is not whole rows"));
+        }
+        Ok(CpuTensor { data, cols })
+    }
+
+    fn to_host(&self, x: &CpuTensor) -> Result<Vec<f32>> {
+        Ok(x.data.clone())
+    }
+
+    fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> Result<CpuTensor> {
+        let mut data = Vec::with_capacity(rows.len() * x.cols);
+        for &r in rows {
+            if r >= x.rows() {
+                return Err(shape_error("row index out of range"));
+            }
+            data.extend_from_slice(x.row(r));
+        }
+        Ok(CpuTensor { data, cols: x.cols })
+    }
+
+    fn take_columns(&self, x: &CpuTensor, cols: &[usize]) -> Result<CpuTensor> {
+        if cols.iter().any(|&c| c >= x.cols) {
+            return Err(shape_error("column index out of range"));
+        }
+        let mut data = Vec::with_capacity(x.rows() * cols.len());
+        for r in 0..x.rows() {
+            let row = x.row(r);
+            data.extend(cols.iter().map(|&c| row[c]));
+        }
+        Ok(CpuTensor { data, cols: cols.len() })
+    }
+
+    fn matmul(&self, w: &Linear, x: &CpuTensor) -> Result<CpuTensor> {
+        if x.cols != w.cols {
+            return Err(shape_error("matmul input width differs from the matrix"));
+        }
+        Ok(CpuTensor {
+            data: w.forward(Isa::detect(), &x.data, x.rows()),
+            cols: w.rows,
+        })
+    }
+
+    fn rms_norm(&self, x: &CpuTensor, w: &Vec<f32>, eps: f32) -> Result<CpuTensor> {
+        if w.is_empty() || !x.cols.is_multiple_of(w.len()) {
+            return Err(shape_error("norm width does not divide the rows"));
+        }
+        let mut y = x.clone();
+        ops::rms_norm(&mut y.data, w, eps);
+        Ok(y)
+    }
+
+    fn add(&self, a: &CpuTensor, b: &CpuTensor) -> Result<CpuTensor> {
+        self.zip(a, b, |x, y| x + y)
+    }
+
+    fn swiglu(&self, gate: &CpuTensor, up: &CpuTensor) -> Result<CpuTensor> {
+        if gate.data.len() != up.data.len() {
+            return Err(shape_error("swiglu operands differ in size"));
+        }
+        let mut g = gate.clone();
+        ops::swiglu(&mut g.data, &up.data);
+        Ok(g)
+    }
+
+    fn mul_sigmoid(&self, x: &CpuTensor, g: &CpuTensor) -> Result<CpuTensor> {
+        if g.cols == 1 && x.cols != 1 {
+            if g.rows() != x.rows() {
+                return Err(shape_error("row gate has the wrong number of rows"));
+            }
+            let mut y = x.clone();
+            for (row, &g) in y.data.chunks_mut(x.cols).zip(&g.data) {
+                let s = 1.0 / (1.0 + (-g).exp());
+                row.iter_mut().for_each(|v| *v *= s);
+            }
+            return Ok(y);
+        }
+        self.zip(x, g, |x, g| x * (1.0 / (1.0 + (-g).exp())))
+    }
+
+    fn rope(&self, x: &CpuTensor, rope: &Rope, head_dim: usize, spans: &[SeqSpan]) -> Result<CpuTensor> {
+        let mut y = x.clone();
+        for s in spans {
+            for (t, r) in s.rows.clone().enumerate() {
+                rope.apply(&mut y.data[r * x.cols..(r + 1) * x.cols], head_dim, s.pos0 + t);
+            }
+        }
+        Ok(y)
+    }
+
+    fn attention(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        shape: AttnShape,
+        spans: &[SeqSpan],
+        kv: &mut [&mut CpuKv],
+    ) -> Result<CpuTensor> {
+        let isa = Isa::detect();
+        let mut out = Vec::with_capacity(q.rows() * shape.heads * shape.head_dim);
+        for (s, cache) in spans.iter().zip(kv.iter_mut()) {
+            let r = s.rows.clone();
+            let (qs, ks, vs) = (
+                &q.data[r.start * q.cols..r.end * q.cols],
+                &k.data[r.start * k.cols..r.end * k.cols],
+                &v.data[r.start * v.cols..r.end * v.cols],
+            );
+            cache.k.extend_from_slice(ks);
+            cache.v.extend_from_slice(vs);
+            out.extend(ops::attention(isa, shape, qs, s.len(), &cache.k, &cache.v));
+        }
+        Ok(CpuTensor {
+            data: out,
+            cols: shape.heads * shape.head_dim,
+        })
+    }
+
+    fn gated_delta(
+        &self,
+        p: &DeltaParams,
+        qkv: &CpuTensor,
+        z: &CpuTensor,
+        b: &CpuTensor,
+        a: &CpuTensor,
+        spans: &[SeqSpan],
+        state: &mut [&mut CpuRecurrent],
+    ) -> Result<CpuTensor> {
+        let vd = p.shape.value_dim();
+        let mut out = vec![0f32; qkv.rows() * vd];
+        for (s, st) in spans.iter().zip(state.iter_mut()) {
+            let r = s.rows.clone();
+            fn part(x: &CpuTensor, r: std::ops::Range<usize>) -> &[f32] {
+                &x.data[r.start * x.cols..r.end * x.cols]
+            }
+            self.delta_one(
+                p,
+                part(qkv, r.clone()),
+                part(z, r.clone()),
+                part(b, r.clone()),
+                part(a, r.clone()),
+                s.len(),
+                st,
+                &mut out[r.start * vd..r.end * vd],
+            );
+        }
+        Ok(CpuTensor { data: out, cols: vd })
+    }
+
+    fn experts(&self, jobs: Vec<ExpertJob<Self>>) -> Result<Vec<CpuTensor>> {
+        // Enough experts at hand: one per thread, each matmul on its own thread (one fork-join per batch
+        // instead of per matmul); otherwise split each matmul's rows across threads.
+        let threads = rayon::current_num_threads();
+        let per_expert = jobs.len() >= threads && threads > 1;
+        let isa = Isa::detect();
+        let run = |j: &ExpertJob<Self>| {
+            let [gate, up, down] = &j.mats;
+            let m = j.x.rows();
+            let mut g = gate.forward_with(isa, &j.x.data, m, !per_expert);
+            let u = up.forward_with(isa, &j.x.data, m, !per_expert);
+            ops::swiglu(&mut g, &u);
+            CpuTensor {
+                data: down.forward_with(isa, &g, m, !per_expert),
+                cols: down.rows,
+            }
+        };
+        Ok(if per_expert {
+            jobs.par_iter().map(run).collect()
+        } else {
+            jobs.iter().map(run).collect()
+        })
+    }
+
+    fn combine(&self, hidden: usize, outputs: &[CpuTensor], picks: &[Vec<Pick>]) -> Result<CpuTensor> {
+        let mut out = vec![0f32; picks.len() * hidden];
+        for (o, token) in out.chunks_mut(hidden).zip(picks) {
+            for p in token {
+                let y = outputs
+                    .get(p.expert)
+                    .filter(|y| p.row < y.rows())
+                    .ok_or_else(|| shape_error("a routed expert's output is missing"))?;
+                for (acc, v) in o.iter_mut().zip(y.row(p.row)) {
+                    *acc += p.weight * v;
+                }
+            }
+        }
+        Ok(CpuTensor {
+            data: out,
+            cols: hidden,
+        })
+    }
+}

@@ -1,0 +1,477 @@
+//! The decoder, written once over [`Backend`]: embedding → layers (attention or Gated DeltaNet, then a dense or
+//! routed-experts FFN) → final norm → output head, for a batch of sequences at different positions, each with
+//! its own experts per token. [`DecoderModel`] is the backend-independent handle everything else uses.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use expert_store::ExpertSource;
+
+use crate::attention::Attention;
+use crate::backend::{Backend, SeqSpan};
+use crate::cpu::Isa;
+use crate::error::{ModelError, Result};
+use crate::gated_delta::GatedDeltaNet;
+use crate::linear::Linear;
+use crate::memory_plan::MemoryPlan;
+use crate::moe::{Mlp, RouterKind, SparseMoe};
+use crate::profile::{Part, StepProfile};
+use crate::sequence::{KvCache, LayerState, Sequence};
+
+/// What a forward pass should produce.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ForwardOptions {
+    /// Experts per token (`None`: the model's own).
+    pub top_k: Option<usize>,
+    /// Logits for every input position instead of only the last.
+    pub all_logits: bool,
+}
+
+/// One sequence's part of a batched forward.
+pub struct SeqRequest<'a> {
+    /// Its new tokens.
+    pub tokens: &'a [u32],
+    /// Its state (advanced by the forward).
+    pub cache: &'a mut KvCache,
+    /// Its experts per token, and which logits it wants.
+    pub opts: ForwardOptions,
+}
+
+/// Which records the store is asked to read ahead during decode.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum PrefetchMode {
+    /// No speculative reads.
+    #[default]
+    None,
+    /// The next layer's experts of the previous token.
+    PrevToken,
+    /// The next layer's router applied to the current residual stream.
+    NextLayer,
+}
+
+impl std::str::FromStr for PrefetchMode {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "none" => Ok(Self::None),
+            "prev-token" => Ok(Self::PrevToken),
+            "next-layer" => Ok(Self::NextLayer),
+            _ => Err(format!("unknown prefetch mode `{s}` (none, prev-token, next-layer)")),
+        }
+    }
+}
+
+/// Static facts about a loaded model.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    /// `model_type` from config.json.
+    pub model_type: String,
+    /// Vocabulary size (rows of the output head).
+    pub vocab_size: usize,
+    /// Context limit (`max_position_embeddings`).
+    pub context_length: usize,
+    /// Experts per MoE layer.
+    pub num_experts: usize,
+    /// The model's own experts per token.
+    pub default_top_k: usize,
+    /// How routing weights are formed.
+    pub router: RouterKind,
+    /// Decoder layers.
+    pub num_layers: usize,
+    /// Layers with routed experts.
+    pub moe_layers: usize,
+    /// Bytes of the largest expert record (what one miss reads).
+    pub expert_record_bytes: u64,
+}
+
+/// The token mixer of a decoder layer.
+pub(crate) enum Mixer<B: Backend> {
+    /// Softmax self-attention over a KV cache.
+    Attention(Attention<B>),
+    /// Gated DeltaNet linear attention over a recurrent state.
+    Linear(GatedDeltaNet<B>),
+}
+
+/// The feed-forward half of a decoder layer.
+pub(crate) enum Ffn<B: Backend> {
+    /// Dense SwiGLU.
+    Dense(Mlp<B>),
+    /// Routed experts.
+    Moe(SparseMoe<B>),
+}
+
+/// Pre-norm decoder layer: `h = x + mixer(norm(x)); out = h + ffn(norm(h))`.
+pub(crate) struct DecoderLayer<B: Backend> {
+    pub input_norm: B::Vector,
+    pub mixer: Mixer<B>,
+    pub post_norm: B::Vector,
+    pub ffn: Ffn<B>,
+}
+
+/// The decoder's weights on backend `B`.
+pub(crate) struct Model<B: Backend> {
+    pub be: B,
+    pub id: u64,
+    pub info: ModelInfo,
+    /// Token embedding `[vocab, hidden]`, on the host (a lookup is a row copy).
+    pub embed: Linear,
+    pub layers: Vec<DecoderLayer<B>>,
+    pub norm: B::Vector,
+    /// Output head `[vocab, hidden]` (the embedding itself when tied).
+    pub lm_head: B::Matrix,
+    pub eps: f32,
+    pub hidden: usize,
+    pub prefetch: PrefetchMode,
+    pub profile: StepProfile,
+}
+
+/// Per MoE layer: the layer and, per sequence, its last token's experts.
+type LastExperts = Vec<(usize, Vec<Vec<usize>>)>;
+
+/// A fresh id for each model, so a cache is only ever run by the model that made it.
+pub(crate) fn next_model_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// What [`DecoderModel`] needs of a model, whatever its backend.
+pub(crate) trait Runner: Send {
+    fn forward(&self, reqs: &mut [SeqRequest<'_>]) -> Result<Vec<Vec<f32>>>;
+    fn new_cache(&self) -> KvCache;
+    fn expert_source(&self) -> Option<&Arc<dyn ExpertSource>>;
+    fn set_expert_source(&mut self, s: Arc<dyn ExpertSource>);
+    fn profile(&self) -> &StepProfile;
+    fn backend_name(&self) -> &'static str;
+}
+
+impl<B: Backend> Model<B> {
+    /// Rejects a forward call the model cannot run (no tokens, past the context, bad top-k, token ids outside
+    /// the vocabulary); returns the experts per token to use.
+    fn check(&self, tokens: &[u32], len: usize, opts: &ForwardOptions) -> Result<usize> {
+        let info = &self.info;
+        if tokens.is_empty() {
+            return Err(ModelError::InvalidArgument("forward called with no tokens".into()));
+        }
+        if len + tokens.len() > info.context_length {
+            return Err(ModelError::Limit(format!(
+                "{} tokens exceed the context limit of {} (max_position_embeddings)",
+                len + tokens.len(),
+                info.context_length
+            )));
+        }
+        let k = opts.top_k.unwrap_or(info.default_top_k);
+        if info.num_experts > 0 && (k == 0 || k > info.num_experts) {
+            return Err(ModelError::InvalidArgument(format!(
+                "top-k {k} must be between 1 and the model's {} experts",
+                info.num_experts
+            )));
+        }
+        if let Some(id) = tokens.iter().find(|&&id| id as usize >= info.vocab_size) {
+            return Err(ModelError::Limit(format!(
+                "token id {id} is outside the vocabulary of {}",
+                info.vocab_size
+            )));
+        }
+        Ok(k)
+    }
+
+    /// During decode (one sequence, one token), the experts layer `i + 1` will probably need.
+    fn predict_next(
+        &self,
+        i: usize,
+        x: &B::Tensor,
+        k: usize,
+        seq: &Sequence<B>,
+    ) -> Result<Option<(usize, Vec<usize>)>> {
+        let Some(next) = self.layers.get(i + 1) else {
+            return Ok(None);
+        };
+        let Ffn::Moe(moe) = &next.ffn else {
+            return Ok(None);
+        };
+        let experts = match self.prefetch {
+            PrefetchMode::None => return Ok(None),
+            PrefetchMode::PrevToken => seq.last_experts.get(i + 1).cloned().unwrap_or_default(),
+            PrefetchMode::NextLayer => moe.predict(&self.be, &self.be.rms_norm(x, &next.post_norm, self.eps)?, k)?,
+        };
+        Ok((!experts.is_empty()).then_some((moe.layer, experts)))
+    }
+
+    /// Every layer over the batch; returns the residual stream and, per MoE layer, each sequence's last-token
+    /// experts.
+    fn layers_forward(
+        &self,
+        mut x: B::Tensor,
+        spans: &[SeqSpan],
+        ks: &[usize],
+        seqs: &mut [&mut Sequence<B>],
+    ) -> Result<(B::Tensor, LastExperts)> {
+        let be = &self.be;
+        let mut last_experts = Vec::new();
+        for (i, layer) in self.layers.iter().enumerate() {
+            let a = be.rms_norm(&x, &layer.input_norm, self.eps)?;
+            let a = match &layer.mixer {
+                Mixer::Attention(attn) => {
+                    let start = Instant::now();
+                    let mut kv = seqs
+                        .iter_mut()
+                        .map(|s| match &mut s.layers[i] {
+                            LayerState::Kv(k) => Ok(k),
+                            LayerState::Recurrent(_) => Err(ModelError::Backend("layer state kind mismatch".into())),
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    let y = attn.forward(be, &a, spans, &mut kv)?;
+                    self.profile.add(Part::FullAttention, start.elapsed());
+                    y
+                }
+                Mixer::Linear(delta) => {
+                    let mut st = seqs
+                        .iter_mut()
+                        .map(|s| match &mut s.layers[i] {
+                            LayerState::Recurrent(r) => Ok(r),
+                            LayerState::Kv(_) => Err(ModelError::Backend("layer state kind mismatch".into())),
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    delta.forward(be, &a, spans, &mut st, &self.profile)?
+                }
+            };
+            x = be.add(&x, &a)?;
+            let b = be.rms_norm(&x, &layer.post_norm, self.eps)?;
+            let f = match &layer.ffn {
+                Ffn::Dense(mlp) => {
+                    let start = Instant::now();
+                    let f = mlp.forward(be, &b)?;
+                    self.profile.add(Part::DenseMlp, start.elapsed());
+                    f
+                }
+                Ffn::Moe(moe) => {
+                    let predicted = match (spans, &seqs[..]) {
+                        ([s], [seq]) if s.len() == 1 => self.predict_next(i, &x, ks[0], seq)?,
+                        _ => None,
+                    };
+                    let hint = predicted.as_ref().map(|(l, e)| (*l, e.as_slice()));
+                    let (f, plan) = moe.forward(be, &b, ks, hint, &self.profile)?;
+                    let lasts = spans.iter().map(|s| plan.routes[s.rows.end - 1].0.clone()).collect();
+                    last_experts.push((i, lasts));
+                    f
+                }
+            };
+            x = be.add(&x, &f)?;
+            be.layer_done(&x)?;
+        }
+        Ok((x, last_experts))
+    }
+
+    /// The logits each sequence asked for: all its rows, or its last.
+    fn head(&self, x: &B::Tensor, spans: &[SeqSpan], all: &[bool]) -> Result<Vec<Vec<f32>>> {
+        let rows: Vec<usize> = spans
+            .iter()
+            .zip(all)
+            .flat_map(|(s, &all)| {
+                if all {
+                    s.rows.clone()
+                } else {
+                    s.rows.end - 1..s.rows.end
+                }
+            })
+            .collect();
+        let be = &self.be;
+        let h = be.rms_norm(&be.gather_rows(x, &rows)?, &self.norm, self.eps)?;
+        let logits = be.to_host(&be.matmul(&self.lm_head, &h)?)?;
+        let v = self.info.vocab_size;
+        let mut out = Vec::with_capacity(spans.len());
+        let mut at = 0;
+        for (s, &all) in spans.iter().zip(all) {
+            let m = if all { s.len() } else { 1 };
+            out.push(logits[at * v..(at + m) * v].to_vec());
+            at += m;
+        }
+        Ok(out)
+    }
+}
+
+impl<B: Backend> Runner for Model<B> {
+    fn forward(&self, reqs: &mut [SeqRequest<'_>]) -> Result<Vec<Vec<f32>>> {
+        let (isa, h) = (Isa::detect(), self.hidden);
+        let mut spans = Vec::with_capacity(reqs.len());
+        let mut ks = Vec::new();
+        let mut all = Vec::with_capacity(reqs.len());
+        let mut ids = Vec::new();
+        let mut seqs = Vec::with_capacity(reqs.len());
+        for r in reqs.iter_mut() {
+            let seq = r
+                .cache
+                .inner
+                .as_any_mut()
+                .downcast_mut::<Sequence<B>>()
+                .filter(|s| s.model_id == self.id)
+                .ok_or_else(|| ModelError::InvalidArgument("this cache was made by another model".into()))?;
+            let k = self.check(r.tokens, seq.len, &r.opts)?;
+            let start = ids.len();
+            ids.extend_from_slice(r.tokens);
+            spans.push(SeqSpan {
+                rows: start..ids.len(),
+                pos0: seq.len,
+            });
+            ks.extend(std::iter::repeat_n(k, r.tokens.len()));
+            all.push(r.opts.all_logits);
+            seqs.push(seq);
+        }
+        let embed_start = Instant::now();
+        let mut x0 = vec![0f32; ids.len() * h];
+        for (row, &id) in x0.chunks_mut(h).zip(&ids) {
+            self.embed.mat().row(isa, id as usize, row);
+        }
+        let x = self.be.upload(x0, h)?;
+        self.profile.add(Part::Head, embed_start.elapsed());
+        let lens: Vec<usize> = seqs.iter().map(|s| s.len).collect();
+        let run = self.layers_forward(x, &spans, &ks, &mut seqs).and_then(|(x, lasts)| {
+            let head_start = Instant::now();
+            let logits = self.head(&x, &spans, &all)?;
+            self.profile.add(Part::Head, head_start.elapsed());
+            Ok((logits, lasts))
+        });
+        match run {
+            Ok((logits, lasts)) => {
+                for (j, seq) in seqs.iter_mut().enumerate() {
+                    for (layer, per_seq) in &lasts {
+                        if let Some(slot) = seq.last_experts.get_mut(*layer) {
+                            slot.clone_from(&per_seq[j]);
+                        }
+                    }
+                    seq.commit(spans[j].len());
+                }
+                Ok(logits)
+            }
+            Err(e) => {
+                // Leave every sequence as it was: KV appends cut back, written recurrent states dropped.
+                for (seq, len) in seqs.iter_mut().zip(lens) {
+                    seq.roll_back(len);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn new_cache(&self) -> KvCache {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| match &l.mixer {
+                Mixer::Attention(a) => LayerState::Kv(self.be.new_kv(a.shape)),
+                Mixer::Linear(d) => LayerState::Recurrent(self.be.new_recurrent(d.shape)),
+            })
+            .collect();
+        KvCache::new(Sequence::<B> {
+            model_id: self.id,
+            layers,
+            len: 0,
+            last_experts: vec![Vec::new(); self.layers.len()],
+        })
+    }
+
+    fn expert_source(&self) -> Option<&Arc<dyn ExpertSource>> {
+        self.layers.iter().find_map(|l| match &l.ffn {
+            Ffn::Moe(moe) => Some(&moe.experts),
+            Ffn::Dense(_) => None,
+        })
+    }
+
+    fn set_expert_source(&mut self, s: Arc<dyn ExpertSource>) {
+        for l in &mut self.layers {
+            if let Ffn::Moe(moe) = &mut l.ffn {
+                moe.experts = Arc::clone(&s);
+            }
+        }
+    }
+
+    fn profile(&self) -> &StepProfile {
+        &self.profile
+    }
+
+    fn backend_name(&self) -> &'static str {
+        self.be.name()
+    }
+}
+
+/// A loaded model on its backend: what generate, serve and bench run.
+pub struct DecoderModel {
+    /// Model facts.
+    pub info: ModelInfo,
+    /// The memory budgets this model was loaded with.
+    pub memory_plan: MemoryPlan,
+    pub(crate) runner: Box<dyn Runner>,
+}
+
+impl DecoderModel {
+    /// A fresh state for one sequence.
+    pub fn new_cache(&self) -> KvCache {
+        self.runner.new_cache()
+    }
+
+    /// Runs `tokens` after the cached positions; returns logits `[m, vocab]`, m = tokens or 1. On error the
+    /// cache is as it was.
+    pub fn forward(&self, tokens: &[u32], cache: &mut KvCache, opts: &ForwardOptions) -> Result<Vec<f32>> {
+        let mut reqs = [SeqRequest {
+            tokens,
+            cache,
+            opts: *opts,
+        }];
+        Ok(self.runner.forward(&mut reqs)?.pop().unwrap_or_default())
+    }
+
+    /// One forward over several sequences at their own positions, each with its own experts per token; returns
+    /// each one's logits. The same numbers as running each alone (bit for bit on `cpu`). On error every
+    /// sequence is as it was.
+    pub fn forward_batch(&self, reqs: &mut [SeqRequest<'_>]) -> Result<Vec<Vec<f32>>> {
+        if reqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.runner.forward(reqs)
+    }
+
+    /// Where forward time goes, accumulated over every call.
+    pub fn profile(&self) -> &StepProfile {
+        self.runner.profile()
+    }
+
+    /// The backend computing this model (`cpu`, `mlx`, `reference`).
+    pub fn backend(&self) -> &'static str {
+        self.runner.backend_name()
+    }
+
+    /// The expert store's I/O counters, when experts go through the engine.
+    pub fn expert_counters(&self) -> Option<Arc<expert_store::StoreCounters>> {
+        self.runner.expert_source().and_then(|s| s.counters())
+    }
+
+    /// Slots of the expert cache when experts go through the engine.
+    pub fn expert_slots(&self) -> Option<usize> {
+        self.runner.expert_source().and_then(|s| s.slots())
+    }
+
+    /// Bytes of one expert slot (the largest record, page-aligned) when experts go through the engine.
+    pub fn expert_slot_len(&self) -> Option<usize> {
+        self.runner.expert_source().and_then(|s| s.slot_len())
+    }
+
+    /// Empties the expert slot cache and the OS page cache of the expert files, so the next reads come from
+    /// the disk (for cold benchmarks).
+    pub fn drop_expert_caches(&self) -> Result<()> {
+        match self.runner.expert_source() {
+            Some(s) => Ok(s.drop_caches()?),
+            None => Ok(()),
+        }
+    }
+
+    /// Where the routed experts come from (`None` for a dense model).
+    pub fn expert_source(&self) -> Option<Arc<dyn ExpertSource>> {
+        self.runner.expert_source().cloned()
+    }
+
+    /// Serves the routed experts from `source` from now on (e.g. a store over a fault-injecting file).
+    pub fn set_expert_source(&mut self, source: Arc<dyn ExpertSource>) {
+        self.runner.set_expert_source(source);
+    }
+}

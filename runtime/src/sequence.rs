@@ -1,0 +1,298 @@
+//! The state of one sequence: its position, each layer's backend-owned cache (KV for attention layers, conv
+//! history and recurrent state for Gated DeltaNet layers), and the experts its last token used.
+//!
+//! [`KvCache`] is the handle users hold (one per sequence; the model that made it runs it). It can report
+//! its length, checkpoint and restore (speculative decoding's rollback), truncate (KV-only models, or to where
+//! it is), and fork (a prefix shared by two continuations). A forward that fails leaves it as it was: KV
+//! appends are cut back and recurrent layers drop the state they wrote.
+
+use std::any::Any;
+
+use crate::backend::{Backend, KvState, RecurrentState};
+use crate::error::{ModelError, Result};
+
+/// One layer's state.
+pub(crate) enum LayerState<B: Backend> {
+    Kv(B::Kv),
+    Recurrent(B::Recurrent),
+}
+
+impl<B: Backend> Clone for LayerState<B> {
+    fn clone(&self) -> Self {
+        match self {
+            LayerState::Kv(k) => LayerState::Kv(k.clone()),
+            LayerState::Recurrent(r) => LayerState::Recurrent(r.clone()),
+        }
+    }
+}
+
+/// A sequence's state on backend `B`.
+pub(crate) struct Sequence<B: Backend> {
+    /// Which model made it (a sequence is refused by another model).
+    pub model_id: u64,
+    pub layers: Vec<LayerState<B>>,
+    /// Positions processed.
+    pub len: usize,
+    /// Per layer, the experts the last token was routed to (the prev-token prefetch prediction).
+    pub last_experts: Vec<Vec<usize>>,
+}
+
+impl<B: Backend> Clone for Sequence<B> {
+    fn clone(&self) -> Self {
+        Self {
+            model_id: self.model_id,
+            layers: self.layers.clone(),
+            len: self.len,
+            last_experts: self.last_experts.clone(),
+        }
+    }
+}
+
+impl<B: Backend> Sequence<B> {
+    /// After a failed forward: every layer back to `len` positions, written states dropped.
+    pub fn roll_back(&mut self, len: usize) {
+        for l in &mut self.layers {
+            match l {
+                LayerState::Kv(k) => k.truncate(len),
+                LayerState::Recurrent(r) => r.discard(),
+            }
+        }
+    }
+
+    /// After a successful forward of `n` tokens.
+    pub fn commit(&mut self, n: usize) {
+        for l in &mut self.layers {
+            if let LayerState::Recurrent(r) = l {
+                r.commit();
+            }
+        }
+        self.len += n;
+    }
+}
+
+/// What every backend's sequence offers behind [`KvCache`].
+pub(crate) trait SequenceState: Send {
+    fn len(&self) -> usize;
+    fn model_id(&self) -> u64;
+    fn checkpoint(&self) -> Box<dyn Any + Send>;
+    fn restore(&mut self, cp: &(dyn Any + Send)) -> Result<()>;
+    fn truncate(&mut self, len: usize) -> Result<()>;
+    fn fork(&self) -> Box<dyn SequenceState>;
+    fn state_bytes(cp: &(dyn Any + Send)) -> usize
+    where
+        Self: Sized;
+    fn as_any_mut(&mut self) -> &mut dyn Any;
+}
+
+/// A snapshot of a sequence at one position.
+struct Snapshot<B: Backend> {
+    len: usize,
+    /// Per layer: the KV length, or a copy of the recurrent state.
+    layers: Vec<LayerSnapshot<B>>,
+    last_experts: Vec<Vec<usize>>,
+}
+
+enum LayerSnapshot<B: Backend> {
+    Kv(usize),
+    Recurrent(B::Recurrent),
+}
+
+impl<B: Backend> SequenceState for Sequence<B> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn model_id(&self) -> u64 {
+        self.model_id
+    }
+
+    fn checkpoint(&self) -> Box<dyn Any + Send> {
+        Box::new(Snapshot::<B> {
+            len: self.len,
+            layers: self
+                .layers
+                .iter()
+                .map(|l| match l {
+                    LayerState::Kv(k) => LayerSnapshot::Kv(k.len()),
+                    LayerState::Recurrent(r) => LayerSnapshot::Recurrent(r.clone()),
+                })
+                .collect(),
+            last_experts: self.last_experts.clone(),
+        })
+    }
+
+    fn restore(&mut self, cp: &(dyn Any + Send)) -> Result<()> {
+        let refuse = |why: &str| {
+            Err(ModelError::InvalidArgument(format!(
+                "this checkpoint does not belong to this cache ({why}; the cache is at position {}, {} layers)",
+                self.len,
+                self.layers.len()
+            )))
+        };
+        let Some(cp) = cp.downcast_ref::<Snapshot<B>>() else {
+            return refuse("it comes from another backend");
+        };
+        if cp.layers.len() != self.layers.len() || cp.len > self.len {
+            return refuse(&format!("it is at position {}", cp.len));
+        }
+        let fits = self.layers.iter().zip(&cp.layers).all(|(l, s)| match (l, s) {
+            (LayerState::Kv(k), LayerSnapshot::Kv(n)) => *n <= k.len(),
+            (LayerState::Recurrent(_), LayerSnapshot::Recurrent(_)) => true,
+            _ => false,
+        });
+        if !fits {
+            return refuse(&format!("it is at position {}", cp.len));
+        }
+        for (l, s) in self.layers.iter_mut().zip(&cp.layers) {
+            match (l, s) {
+                (LayerState::Kv(k), LayerSnapshot::Kv(n)) => k.truncate(*n),
+                (LayerState::Recurrent(r), LayerSnapshot::Recurrent(saved)) => *r = saved.clone(),
+                _ => unreachable!("checked above"),
+            }
+        }
+        self.last_experts.clone_from(&cp.last_experts);
+        self.len = cp.len;
+        Ok(())
+    }
+
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        if len > self.len {
+            return Err(ModelError::InvalidArgument(format!(
+                "cannot truncate a sequence of {} positions to {len}",
+                self.len
+            )));
+        }
+        if len < self.len && self.layers.iter().any(|l| matches!(l, LayerState::Recurrent(_))) {
+            return Err(ModelError::InvalidArgument(
+                "a recurrent (Gated DeltaNet) state cannot be truncated; restore a checkpoint instead".into(),
+            ));
+        }
+        for l in &mut self.layers {
+            if let LayerState::Kv(k) = l {
+                k.truncate(len);
+            }
+        }
+        self.len = len;
+        Ok(())
+    }
+
+    fn fork(&self) -> Box<dyn SequenceState> {
+        Box::new(self.clone())
+    }
+
+    fn state_bytes(cp: &(dyn Any + Send)) -> usize {
+        cp.downcast_ref::<Snapshot<B>>().map_or(0, |s| {
+            s.layers
+                .iter()
+                .map(|l| match l {
+                    LayerSnapshot::Recurrent(r) => r.bytes(),
+                    LayerSnapshot::Kv(_) => 0,
+                })
+                .sum()
+        })
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
+/// One sequence's state (KV caches, recurrent states), owned by the backend of the model that made it
+/// ([`crate::DecoderModel::new_cache`]).
+pub struct KvCache {
+    pub(crate) inner: Box<dyn SequenceState>,
+    /// How to size a checkpoint of this backend's sequences.
+    state_bytes: fn(&(dyn Any + Send)) -> usize,
+}
+
+impl std::fmt::Debug for KvCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "KvCache({} positions)", self.len())
+    }
+}
+
+/// A snapshot of a [`KvCache`] at one position: KV lengths (KV caches roll back by truncation) and copies of
+/// every recurrent state (which cannot be rolled back otherwise).
+pub struct CacheCheckpoint {
+    len: usize,
+    model_id: u64,
+    snapshot: Box<dyn Any + Send>,
+    state_bytes: fn(&(dyn Any + Send)) -> usize,
+}
+
+impl std::fmt::Debug for CacheCheckpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CacheCheckpoint(position {})", self.len)
+    }
+}
+
+impl CacheCheckpoint {
+    /// The position the snapshot was taken at.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it was taken before any token.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes held by the copied recurrent states.
+    pub fn bytes(&self) -> usize {
+        (self.state_bytes)(self.snapshot.as_ref())
+    }
+}
+
+impl KvCache {
+    pub(crate) fn new<B: Backend>(seq: Sequence<B>) -> Self {
+        Self {
+            inner: Box::new(seq),
+            state_bytes: <Sequence<B> as SequenceState>::state_bytes,
+        }
+    }
+
+    /// Positions processed.
+    pub fn len(&self) -> usize {
+        self.inner.len()
+    }
+
+    /// Whether no position has been processed.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Snapshots the cache after its current position.
+    pub fn checkpoint(&self) -> CacheCheckpoint {
+        CacheCheckpoint {
+            len: self.len(),
+            model_id: self.inner.model_id(),
+            snapshot: self.inner.checkpoint(),
+            state_bytes: self.state_bytes,
+        }
+    }
+
+    /// Returns the cache to `cp`'s position exactly: KV caches are truncated, recurrent states copied back.
+    /// `cp` must come from this sequence (or a fork of it) at or before its current position.
+    pub fn restore(&mut self, cp: &CacheCheckpoint) -> Result<()> {
+        if cp.model_id != self.inner.model_id() {
+            return Err(ModelError::InvalidArgument(
+                "this checkpoint does not belong to this cache (it comes from another model)".into(),
+            ));
+        }
+        self.inner.restore(cp.snapshot.as_ref())
+    }
+
+    /// Forgets every position from `len` on. Models with recurrent layers can only be taken back with a
+    /// checkpoint, and refuse.
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        self.inner.truncate(len)
+    }
+
+    /// An independent copy that continues from the same position (a shared prefix).
+    pub fn fork(&self) -> KvCache {
+        KvCache {
+            inner: self.inner.fork(),
+            state_bytes: self.state_bytes,
+        }
+    }
+}
