@@ -38,6 +38,7 @@ pub(crate) fn open_source(
                 cache_bytes: opts.cache_bytes,
                 context: opts.context,
                 gpu_buffers: opts.backend == BackendKind::Mlx && cfg!(target_os = "macos"),
+                ..PlanRequest::default()
             },
         )
     };

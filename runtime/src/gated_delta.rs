@@ -218,7 +218,7 @@ mod tests {
     use crate::cpu::FloatType;
     use crate::linear::{Linear, WeightFormat};
 
-    fn dense(rng: &mut impl Rng, rows: usize, cols: usize) -> (Linear, Vec<f64>) {
+    fn dense(rng: &mut impl Rng, rows: usize, cols: usize) -> Linear {
         let w: Vec<f32> = (0..rows * cols).map(|_| rng.gen_range(-0.3f32..0.3)).collect();
         let lin = Linear {
             format: WeightFormat::Dense(FloatType::F32),
@@ -227,79 +227,12 @@ mod tests {
             parts: vec![OwnedBytes::from_vec(w.iter().flat_map(|v| v.to_le_bytes()).collect())],
             bias: None,
         };
-        (lin, w.iter().map(|&v| v as f64).collect())
-    }
-
-    fn matvec(w: &[f64], x: &[f64]) -> Vec<f64> {
-        w.chunks(x.len())
-            .map(|r| r.iter().zip(x).map(|(a, b)| a * b).sum())
-            .collect()
-    }
-
-    /// The decode-step equations of architectures.md §9.4, in f64, one token at a time: the oracle.
-    #[allow(clippy::too_many_arguments)]
-    fn reference(
-        s: DeltaShape,
-        w: &[Vec<f64>; 5],
-        conv: &[f64],
-        decay_rate: &[f64],
-        dt_bias: &[f64],
-        norm: &[f64],
-        xs: &[Vec<f64>],
-    ) -> Vec<Vec<f64>> {
-        let (c, kd, dk, dv, k) = (s.conv_dim(), s.key_dim(), s.k_dim, s.v_dim, s.kernel);
-        let mut hist = vec![vec![0f64; c]; k - 1];
-        let mut state = vec![0f64; s.v_heads * dv * dk];
-        let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
-        let mut out = Vec::new();
-        for x in xs {
-            let (qkv, z, b, a) = (matvec(&w[0], x), matvec(&w[1], x), matvec(&w[2], x), matvec(&w[3], x));
-            hist.push(qkv);
-            let u: Vec<f64> = (0..c)
-                .map(|ch| {
-                    let acc: f64 = (0..k).map(|j| hist[j][ch] * conv[ch * k + j]).sum();
-                    acc * sig(acc)
-                })
-                .collect();
-            hist.remove(0);
-            let l2 = |v: &[f64]| {
-                let n = (v.iter().map(|x| x * x).sum::<f64>() + 1e-6).sqrt();
-                v.iter().map(|x| x / n).collect::<Vec<f64>>()
-            };
-            let mut o = vec![0f64; s.value_dim()];
-            for h in 0..s.v_heads {
-                let kh = h / (s.v_heads / s.k_heads);
-                let q: Vec<f64> = l2(&u[kh * dk..(kh + 1) * dk])
-                    .iter()
-                    .map(|v| v / (dk as f64).sqrt())
-                    .collect();
-                let kk = l2(&u[kd + kh * dk..kd + (kh + 1) * dk]);
-                let v = &u[2 * kd + h * dv..2 * kd + (h + 1) * dv];
-                let g = (-decay_rate[h] * (1.0 + (a[h] + dt_bias[h]).exp()).ln()).exp();
-                let beta = sig(b[h]);
-                let st = &mut state[h * dv * dk..(h + 1) * dv * dk];
-                st.iter_mut().for_each(|x| *x *= g);
-                let y: Vec<f64> = (0..dv)
-                    .map(|i| {
-                        let row = &mut st[i * dk..(i + 1) * dk];
-                        let m: f64 = row.iter().zip(&kk).map(|(a, b)| a * b).sum();
-                        let delta = beta * (v[i] - m);
-                        row.iter_mut().zip(&kk).for_each(|(r, kj)| *r += delta * kj);
-                        row.iter().zip(&q).map(|(a, b)| a * b).sum()
-                    })
-                    .collect();
-                let rms = (y.iter().map(|v| v * v).sum::<f64>() / dv as f64 + 1e-6).sqrt();
-                for i in 0..dv {
-                    let zi = z[h * dv + i];
-                    o[h * dv + i] = y[i] / rms * norm[i] * zi * sig(zi);
-                }
-            }
-            out.push(matvec(&w[4], &o));
-        }
-        out
+        lin
     }
 
     #[test]
+    /// The cpu core against the reference backend's f64 one (the decode-step equations of architectures.md
+    /// §9.4, token by token), in prefill and decode.
     fn matches_the_f64_reference_in_prefill_and_decode() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(3);
         let s = DeltaShape {
@@ -310,11 +243,11 @@ mod tests {
             kernel: 4,
         };
         let hidden = 24;
-        let (qkv, wq) = dense(&mut rng, s.conv_dim(), hidden);
-        let (z, wz) = dense(&mut rng, s.value_dim(), hidden);
-        let (b, wb) = dense(&mut rng, s.v_heads, hidden);
-        let (a, wa) = dense(&mut rng, s.v_heads, hidden);
-        let (out, wo) = dense(&mut rng, hidden, s.value_dim());
+        let qkv = dense(&mut rng, s.conv_dim(), hidden);
+        let z = dense(&mut rng, s.value_dim(), hidden);
+        let b = dense(&mut rng, s.v_heads, hidden);
+        let a = dense(&mut rng, s.v_heads, hidden);
+        let out = dense(&mut rng, hidden, s.value_dim());
         let conv: Vec<f32> = (0..s.conv_dim() * s.kernel)
             .map(|_| rng.gen_range(-0.8f32..0.8))
             .collect();
@@ -327,28 +260,38 @@ mod tests {
             weights: DeltaParams {
                 shape: s,
                 eps: 1e-6,
-                conv: conv.clone(),
-                decay_rate: decay_rate.clone(),
-                dt_bias: dt_bias.clone(),
-                norm: norm.clone(),
+                conv,
+                decay_rate,
+                dt_bias,
+                norm,
             },
             out,
             shape: s,
         };
-        let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
         let n = 9;
         let x: Vec<f32> = (0..n * hidden).map(|_| rng.gen_range(-2f32..2.0)).collect();
-        let xs: Vec<Vec<f64>> = x.chunks(hidden).map(f64s).collect();
-        let want = reference(
-            s,
-            &[wq, wz, wb, wa, wo],
-            &f64s(&conv),
-            &f64s(&decay_rate),
-            &f64s(&dt_bias),
-            &f64s(&norm),
-            &xs,
-        );
         let profile = StepProfile::default();
+        // The oracle: the reference backend (f64) over the same weights, all tokens in one step.
+        let rb = ReferenceBackend;
+        let rnet = GatedDeltaNet::<ReferenceBackend> {
+            proj: match &net.proj {
+                InProj::Split { qkv, z, b, a } => InProj::Split {
+                    qkv: rb.matrix(qkv).unwrap(),
+                    z: rb.matrix(z).unwrap(),
+                    b: rb.matrix(b).unwrap(),
+                    a: rb.matrix(a).unwrap(),
+                },
+                InProj::Grouped { .. } => unreachable!(),
+            },
+            weights: net.weights.clone(),
+            out: rb.matrix(&net.out).unwrap(),
+            shape: s,
+        };
+        let mut st = rb.new_recurrent(s);
+        let xs = rb.upload(x.clone(), hidden).unwrap();
+        let span = SeqSpan { rows: 0..n, pos0: 0 };
+        let y = rnet.forward(&rb, &xs, &[span], &mut [&mut st], &profile).unwrap();
+        let want = rb.to_host(&y).unwrap();
         // One step of `n` tokens on a state, committed (as a successful forward does).
         let step = |st: &mut CpuRecurrent, rows: std::ops::Range<usize>| {
             let x = CpuTensor {
@@ -369,9 +312,9 @@ mod tests {
         for t in 5..n {
             got.extend(step(&mut state, t..t + 1));
         }
-        for (t, w) in want.iter().enumerate() {
-            for (i, w) in w.iter().enumerate() {
-                let g = got[t * hidden + i] as f64;
+        for t in 0..n {
+            for i in 0..hidden {
+                let (g, w) = (got[t * hidden + i] as f64, want[t * hidden + i] as f64);
                 assert!(
                     (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
                     "token {t} [{i}]: {g} vs reference {w}"
@@ -384,36 +327,6 @@ mod tests {
             assert_eq!(step(&mut one, t..t + 1), got[t * hidden..(t + 1) * hidden]);
         }
         assert_eq!(one.ssm.len(), s.v_heads * s.v_dim * s.k_dim);
-        // The reference backend's core agrees with the oracle too.
-        let rb = ReferenceBackend;
-        let rnet = GatedDeltaNet::<ReferenceBackend> {
-            proj: match &net.proj {
-                InProj::Split { qkv, z, b, a } => InProj::Split {
-                    qkv: rb.matrix(qkv).unwrap(),
-                    z: rb.matrix(z).unwrap(),
-                    b: rb.matrix(b).unwrap(),
-                    a: rb.matrix(a).unwrap(),
-                },
-                InProj::Grouped { .. } => unreachable!(),
-            },
-            weights: net.weights.clone(),
-            out: rb.matrix(&net.out).unwrap(),
-            shape: s,
-        };
-        let mut st = rb.new_recurrent(s);
-        let xs = rb.upload(x.clone(), hidden).unwrap();
-        let span = SeqSpan { rows: 0..n, pos0: 0 };
-        let y = rnet.forward(&rb, &xs, &[span], &mut [&mut st], &profile).unwrap();
-        let y = rb.to_host(&y).unwrap();
-        for (t, w) in want.iter().enumerate() {
-            for (i, w) in w.iter().enumerate() {
-                let g = y[t * hidden + i] as f64;
-                assert!(
-                    (g - w).abs() <= 1e-6 * (1.0 + w.abs()),
-                    "reference token {t} [{i}]: {g} vs {w}"
-                );
-            }
-        }
     }
 
     #[test]

@@ -11,6 +11,7 @@
 //!   when one is given (`--ctx-size`), else for min(model context, 32768) tokens.
 //! - **room for experts** = limit − resident weights − KV − margin.
 //! - `--experts auto` keeps every expert resident when they fit in that room, else streams them.
+//! - A **draft model** and a **prefix cache** take their bytes off the room too (none exist yet).
 //! - The streamed **expert cache** (slots under a hard budget) is `--expert-cache` when given, else an
 //!   eighth of available memory (at least 256 MiB, at most the experts themselves): the OS page cache is
 //!   the second tier and keeps the rest.
@@ -82,6 +83,10 @@ pub struct PlanRequest {
     pub context: Option<usize>,
     /// The weights live in GPU buffers under the working-set limit (the mlx backend on macOS).
     pub gpu_buffers: bool,
+    /// A draft model kept in memory for speculative decoding (none yet: 0).
+    pub draft_model: u64,
+    /// A prefix cache shared between sequences (none yet: 0).
+    pub prefix_cache: u64,
 }
 
 /// Where the routed experts live.
@@ -114,6 +119,10 @@ pub struct MemoryPlan {
     pub placement: ExpertPlacement,
     /// Bytes of expert records held in slots (all of them when resident).
     pub expert_cache: u64,
+    /// The draft model.
+    pub draft_model: u64,
+    /// The prefix cache.
+    pub prefix_cache: u64,
 }
 
 /// KV tokens reserved when no context limit is given.
@@ -140,6 +149,8 @@ impl MemoryPlan {
         let room = limit
             .saturating_sub(model.resident_weights)
             .saturating_sub(kv_per_sequence)
+            .saturating_sub(req.draft_model)
+            .saturating_sub(req.prefix_cache)
             .saturating_sub(margin);
         let placement = match req.mode {
             ExpertMode::Resident => ExpertPlacement::Resident,
@@ -165,6 +176,8 @@ impl MemoryPlan {
             kv_per_sequence,
             placement,
             expert_cache,
+            draft_model: req.draft_model,
+            prefix_cache: req.prefix_cache,
         }
     }
 
@@ -174,7 +187,7 @@ impl MemoryPlan {
             ExpertPlacement::Mmap => 0,
             _ => self.expert_cache,
         };
-        self.model.resident_weights + experts + self.kv_per_sequence + self.margin
+        self.model.resident_weights + experts + self.kv_per_sequence + self.draft_model + self.prefix_cache + self.margin
     }
 }
 
@@ -196,22 +209,24 @@ impl fmt::Display for MemoryPlan {
         )?;
         writeln!(f, "  limit            {:>11}", gib(self.limit))?;
         writeln!(f, "  resident weights {:>11}", gib(self.model.resident_weights))?;
-        let experts = match self.placement {
-            ExpertPlacement::Resident => format!("{} (all resident)", gib(self.expert_cache)),
-            ExpertPlacement::Stream => format!(
-                "{} (streamed cache; experts total {})",
+        let (experts, note) = match self.placement {
+            ExpertPlacement::Resident => (gib(self.expert_cache), "all resident".to_string()),
+            ExpertPlacement::Stream => (
                 gib(self.expert_cache),
-                gib(self.model.expert_bytes)
+                format!("streamed cache; experts total {}", gib(self.model.expert_bytes)),
             ),
-            ExpertPlacement::Mmap => format!("{} (mmap: the OS decides)", gib(self.model.expert_bytes)),
+            ExpertPlacement::Mmap => (gib(self.model.expert_bytes), "mmap: the OS decides".to_string()),
         };
-        writeln!(f, "  experts          {experts:>11}")?;
+        writeln!(f, "  experts          {experts:>11} ({note})")?;
         writeln!(
             f,
             "  KV per sequence  {:>11} ({} tokens)",
             gib(self.kv_per_sequence),
             self.kv_tokens
         )?;
+        let optional = |b: u64| if b == 0 { "none".to_string() } else { gib(b) };
+        writeln!(f, "  draft model      {:>11}", optional(self.draft_model))?;
+        writeln!(f, "  prefix cache     {:>11}", optional(self.prefix_cache))?;
         writeln!(f, "  margin           {:>11}", gib(self.margin))?;
         write!(f, "  total            {:>11}", gib(self.total()))
     }
