@@ -29,9 +29,18 @@ pub(crate) fn open_source(
         .sum();
     footprint.resident_weights = (ckpt.total_bytes() as u64).saturating_sub(stacked);
     footprint.expert_bytes = stacked;
+    #[cfg_attr(not(feature = "mlx"), allow(unused_mut))]
+    let mut machine = MachineMemory::probe();
+    #[cfg(feature = "mlx")]
+    if opts.backend == BackendKind::Mlx {
+        // Metal's own figure, when MLX reports one, beats the rule of thumb.
+        if let Some(w) = crate::backend::mlx::recommended_working_set() {
+            machine.gpu_working_set = Some(w);
+        }
+    }
     let plan_for = |footprint| {
         MemoryPlan::new(
-            MachineMemory::probe(),
+            machine,
             footprint,
             &PlanRequest {
                 mode: opts.mode,

@@ -187,7 +187,12 @@ impl MemoryPlan {
             ExpertPlacement::Mmap => 0,
             _ => self.expert_cache,
         };
-        self.model.resident_weights + experts + self.kv_per_sequence + self.draft_model + self.prefix_cache + self.margin
+        self.model.resident_weights
+            + experts
+            + self.kv_per_sequence
+            + self.draft_model
+            + self.prefix_cache
+            + self.margin
     }
 }
 

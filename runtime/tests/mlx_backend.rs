@@ -107,3 +107,14 @@ fn mlx_checkpoints_restore_exactly() {
     assert_eq!(m.forward(&[9], &mut cache, &opts).unwrap(), a);
     assert_eq!(m.forward(&[10], &mut cache, &opts).unwrap(), b);
 }
+
+#[test]
+fn metal_working_set_comes_from_mlx_where_it_has_one() {
+    let w = sluice_runtime::backend::mlx::recommended_working_set();
+    if cfg!(target_os = "macos") {
+        assert!(w.is_some_and(|b| b > 1 << 30), "{w:?}");
+    } else {
+        // MLX's CPU build has no Metal device info.
+        assert_eq!(w, None);
+    }
+}

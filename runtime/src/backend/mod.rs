@@ -42,7 +42,9 @@ impl SeqSpan {
     }
 }
 
-/// One attention layer's keys and values for one sequence.
+/// One attention layer's keys and values for one sequence. Truncation is how a rollback (a failed forward,
+/// rejected draft tokens) takes it back, so a layer that keeps only a window of positions (sliding-window
+/// attention) must keep enough beyond its window to honour it.
 pub trait KvState: Clone + Send {
     /// Positions cached.
     fn len(&self) -> usize;

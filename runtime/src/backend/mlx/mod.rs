@@ -9,8 +9,11 @@
 //! buffer: with Metal on unified memory that is zero-copy for page-aligned buffers; MLX's CPU allocator
 //! (Linux) copies at once and releases the slot.
 
+mod device;
 mod ops;
 mod zero_copy;
+
+pub use device::recommended_working_set;
 
 use expert_store::ExpertRecord;
 use mlx_rs::fast::ScaledDotProductAttentionMask;
