@@ -320,8 +320,9 @@ impl<B: Backend> Runner for Model<B> {
         }
         let embed_start = Instant::now();
         let mut x0 = vec![0f32; ids.len() * h];
+        let embed = self.embed.mat();
         for (row, &id) in x0.chunks_mut(h).zip(&ids) {
-            self.embed.mat().row(isa, id as usize, row);
+            embed.row(isa, id as usize, row);
         }
         let x = self.be.upload(x0, h)?;
         self.profile.add(Part::Head, embed_start.elapsed());

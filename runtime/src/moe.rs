@@ -322,8 +322,8 @@ mod tests {
             let (ids, w) = m.kind.route(&logits, k);
             for (e, wt) in ids.iter().zip(w) {
                 let rec = m.experts.read_expert(m.layer, *e).unwrap();
-                let parts: Vec<&[u8]> = rec.parts.iter().map(|p| p.as_slice()).collect();
-                let [gate, up, down] = m.layout.views(m.inter, h, &parts);
+                let [gate, up, down] = m.layout.linears(m.inter, h, &rec.parts).unwrap();
+                let (gate, up, down) = (gate.mat(), up.mat(), down.mat());
                 let mut g = vec![0f32; m.inter];
                 let mut u = vec![0f32; m.inter];
                 reference_matmul(&gate, xt, 1, &mut g);

@@ -78,9 +78,8 @@ pub(crate) trait SequenceState: Send {
     fn restore(&mut self, cp: &(dyn Any + Send)) -> Result<()>;
     fn truncate(&mut self, len: usize) -> Result<()>;
     fn fork(&self) -> Box<dyn SequenceState>;
-    fn state_bytes(cp: &(dyn Any + Send)) -> usize
-    where
-        Self: Sized;
+    /// Bytes of the recurrent states (what a checkpoint copies).
+    fn recurrent_bytes(&self) -> usize;
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
@@ -180,16 +179,14 @@ impl<B: Backend> SequenceState for Sequence<B> {
         Box::new(self.clone())
     }
 
-    fn state_bytes(cp: &(dyn Any + Send)) -> usize {
-        cp.downcast_ref::<Snapshot<B>>().map_or(0, |s| {
-            s.layers
-                .iter()
-                .map(|l| match l {
-                    LayerSnapshot::Recurrent(r) => r.bytes(),
-                    LayerSnapshot::Kv(_) => 0,
-                })
-                .sum()
-        })
+    fn recurrent_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| match l {
+                LayerState::Recurrent(r) => r.bytes(),
+                LayerState::Kv(_) => 0,
+            })
+            .sum()
     }
 
     fn as_any_mut(&mut self) -> &mut dyn Any {
@@ -201,8 +198,6 @@ impl<B: Backend> SequenceState for Sequence<B> {
 /// ([`crate::DecoderModel::new_cache`]).
 pub struct KvCache {
     pub(crate) inner: Box<dyn SequenceState>,
-    /// How to size a checkpoint of this backend's sequences.
-    state_bytes: fn(&(dyn Any + Send)) -> usize,
 }
 
 impl std::fmt::Debug for KvCache {
@@ -217,7 +212,8 @@ pub struct CacheCheckpoint {
     len: usize,
     model_id: u64,
     snapshot: Box<dyn Any + Send>,
-    state_bytes: fn(&(dyn Any + Send)) -> usize,
+    /// Bytes of the copied recurrent states.
+    bytes: usize,
 }
 
 impl std::fmt::Debug for CacheCheckpoint {
@@ -239,16 +235,13 @@ impl CacheCheckpoint {
 
     /// Bytes held by the copied recurrent states.
     pub fn bytes(&self) -> usize {
-        (self.state_bytes)(self.snapshot.as_ref())
+        self.bytes
     }
 }
 
 impl KvCache {
     pub(crate) fn new<B: Backend>(seq: Sequence<B>) -> Self {
-        Self {
-            inner: Box::new(seq),
-            state_bytes: <Sequence<B> as SequenceState>::state_bytes,
-        }
+        Self { inner: Box::new(seq) }
     }
 
     /// Positions processed.
@@ -267,7 +260,7 @@ impl KvCache {
             len: self.len(),
             model_id: self.inner.model_id(),
             snapshot: self.inner.checkpoint(),
-            state_bytes: self.state_bytes,
+            bytes: self.inner.recurrent_bytes(),
         }
     }
 
@@ -292,7 +285,6 @@ impl KvCache {
     pub fn fork(&self) -> KvCache {
         KvCache {
             inner: self.inner.fork(),
-            state_bytes: self.state_bytes,
         }
     }
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use expert_store::{Checkpoint, Dtype, OwnedBytes, StackedExperts, TensorInfo};
 
 use crate::config::ModelConfig;
-use crate::cpu::{FloatType, MatRef};
+use crate::cpu::FloatType;
 use crate::error::{ModelError, Result};
 use crate::linear::{Linear, WeightFormat};
 use crate::quant::QuantMode;
@@ -366,28 +366,5 @@ impl ExpertLayout {
             linear(fu, inter, hidden, up),
             linear(fd, hidden, inter, down),
         ])
-    }
-
-    /// Gate, up and down views of one record's parts.
-    pub fn views<'a>(&self, inter: usize, hidden: usize, parts: &[&'a [u8]]) -> [MatRef<'a>; 3] {
-        let [fg, fu, fd] = self.formats;
-        if self.fused {
-            // Row-major `[2·inter, ·]` parts: the first half of every part's bytes is the gate's rows.
-            let pg = fg.parts();
-            let halves: Vec<(&[u8], &[u8])> = parts[..pg].iter().map(|p| p.split_at(p.len() / 2)).collect();
-            let gate: Vec<&[u8]> = halves.iter().map(|h| h.0).collect();
-            let up: Vec<&[u8]> = halves.iter().map(|h| h.1).collect();
-            return [
-                fg.view(inter, hidden, &gate),
-                fu.view(inter, hidden, &up),
-                fd.view(hidden, inter, &parts[pg..]),
-            ];
-        }
-        let (pg, pu) = (fg.parts(), fu.parts());
-        [
-            fg.view(inter, hidden, &parts[..pg]),
-            fu.view(inter, hidden, &parts[pg..pg + pu]),
-            fd.view(hidden, inter, &parts[pg + pu..]),
-        ]
     }
 }

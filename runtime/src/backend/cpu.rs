@@ -342,12 +342,12 @@ impl Backend for CpuBackend {
             }
             let mut y = x.clone();
             for (row, &g) in y.data.chunks_mut(x.cols).zip(&g.data) {
-                let s = 1.0 / (1.0 + (-g).exp());
+                let s = sigmoid(g);
                 row.iter_mut().for_each(|v| *v *= s);
             }
             return Ok(y);
         }
-        self.zip(x, g, |x, g| x * (1.0 / (1.0 + (-g).exp())))
+        self.zip(x, g, |x, g| x * sigmoid(g))
     }
 
     fn rope(&self, x: &CpuTensor, rope: &Rope, head_dim: usize, spans: &[SeqSpan]) -> Result<CpuTensor> {
