@@ -37,5 +37,8 @@ if [ "$what" = aarch64 ] || [ "$what" = all ]; then
   export CC_aarch64_unknown_linux_gnu=aarch64-linux-gnu-gcc
   export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -cpu max -L /usr/aarch64-linux-gnu"
   echo "== aarch64 Linux under qemu: expert-store and runtime tests" >&2
-  cargo test -p expert-store -p sluice-runtime --target aarch64-unknown-linux-gnu
+  # Every test but the trained model's held-out perplexity sweep (57k token-forwards: ~10 min emulated); it runs
+  # natively on x86-64 in the README's test command.
+  cargo test -p expert-store -p sluice-runtime --target aarch64-unknown-linux-gnu -- \
+    --skip eval_perplexity_matches_mlx_lm_at_each_top_k
 fi

@@ -10,7 +10,7 @@ use expert_store::{
 
 use crate::error::{ModelError, Result};
 use crate::memory_plan::{ExpertPlacement, MachineMemory, MemoryPlan, ModelFootprint, PlanRequest};
-use crate::options::{BackendKind, ExpertMode, ExpertOptions};
+use crate::options::{ExpertMode, ExpertOptions};
 
 /// Builds the expert source for `stacks` per `opts`, with the memory plan that sized it. `footprint` holds
 /// the model's KV and state sizes; its weight sizes are filled in here from the checkpoint.
@@ -32,25 +32,13 @@ pub(crate) fn open_source(
     #[cfg_attr(not(feature = "mlx"), allow(unused_mut))]
     let mut machine = MachineMemory::probe();
     #[cfg(feature = "mlx")]
-    if opts.backend == BackendKind::Mlx {
+    if opts.backend == crate::options::BackendKind::Mlx {
         // Metal's own figure, when MLX reports one, beats the rule of thumb.
         if let Some(w) = crate::backend::mlx::recommended_working_set() {
             machine.gpu_working_set = Some(w);
         }
     }
-    let plan_for = |footprint| {
-        MemoryPlan::new(
-            machine,
-            footprint,
-            &PlanRequest {
-                mode: opts.mode,
-                cache_bytes: opts.cache_bytes,
-                context: opts.context,
-                gpu_buffers: opts.backend == BackendKind::Mlx && cfg!(target_os = "macos"),
-                ..PlanRequest::default()
-            },
-        )
-    };
+    let plan_for = |footprint| MemoryPlan::new(machine, footprint, &PlanRequest::from_options(opts));
     if stacks.is_empty() {
         return Ok((Arc::new(InMemoryExpertSource::new()), plan_for(footprint)));
     }

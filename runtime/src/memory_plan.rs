@@ -18,7 +18,7 @@
 
 use std::fmt;
 
-use crate::options::ExpertMode;
+use crate::options::{BackendKind, ExpertMode, ExpertOptions};
 
 /// The machine's memory, as the platform module reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,6 +87,19 @@ pub struct PlanRequest {
     pub draft_model: u64,
     /// A prefix cache shared between sequences (none yet: 0).
     pub prefix_cache: u64,
+}
+
+impl PlanRequest {
+    /// The request the loader's flags make.
+    pub fn from_options(opts: &ExpertOptions) -> Self {
+        Self {
+            mode: opts.mode,
+            cache_bytes: opts.cache_bytes,
+            context: opts.context,
+            gpu_buffers: opts.backend == BackendKind::Mlx && cfg!(target_os = "macos"),
+            ..Self::default()
+        }
+    }
 }
 
 /// Where the routed experts live.

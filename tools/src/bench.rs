@@ -208,7 +208,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
 }
 
 /// Prefill `tokens[..prompt]` in one pass (chunks of 512), then decode the rest one token at a time.
-fn measure(m: &DecoderModel, name: &str, tokens: &[u32], prompt: usize, top_k: usize) -> Result<RunReport> {
+pub(crate) fn measure(m: &DecoderModel, name: &str, tokens: &[u32], prompt: usize, top_k: usize) -> Result<RunReport> {
     let opts = ForwardOptions {
         top_k: Some(top_k),
         all_logits: false,
@@ -290,6 +290,12 @@ fn disk_probe(path: &Path, record: u64, depth: usize, time: Duration) -> Result<
     } else {
         largest_safetensors(path)?
     };
+    disk_probe_file(&file, record, depth, time)
+}
+
+/// [`disk_probe`] over one file.
+pub(crate) fn disk_probe_file(file: &Path, record: u64, depth: usize, time: Duration) -> Result<f64> {
+    let file = file.to_path_buf();
     let len = std::fs::metadata(&file)?.len();
     let size = record.max(DIRECT_ALIGN).next_multiple_of(DIRECT_ALIGN);
     if len < size {

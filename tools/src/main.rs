@@ -3,6 +3,8 @@
 #![warn(missing_docs)]
 
 mod bench;
+mod doctor;
+mod eval;
 mod selftest;
 mod serve;
 mod store_cmds;
@@ -41,6 +43,12 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Write a random-weight model with the exact shapes of a real one (any size, streamed to disk).
     Synth(synth::SynthArgs),
+    /// What each --top-k costs in quality (perplexity, KL, top-1 agreement against the model's own k) and
+    /// buys in speed (decode tok/s, expert bytes per token) on a text.
+    Eval(eval::EvalArgs),
+    /// Before a download: does a model (its config.json) fit this machine, its memory plan, and the decode
+    /// speed this machine's disk, DRAM and kernel probes forecast at each --top-k.
+    Doctor(doctor::DoctorArgs),
     /// Check this machine: the committed mlx-lm goldens on its backend (resident and streamed), then a short
     /// bench with its disk and DRAM probes; prints one report to paste into an issue.
     Selftest(selftest::SelftestArgs),
@@ -125,6 +133,8 @@ fn main() -> Result<()> {
         Command::Bench(args) => bench::run(args),
         Command::Synth(args) => synth::run(args),
         Command::Selftest(args) => selftest::run(args),
+        Command::Eval(args) => eval::run(args),
+        Command::Doctor(args) => doctor::run(args),
     }
 }
 

@@ -39,6 +39,7 @@ fn selftest_passes(backend: &str) {
         "mixtral-q4g64",
         "qwen3_5_moe-q4g64",
         "qwen3_next-q4g64",
+        "brown-qwen3_moe-q4g64",
     ] {
         assert!(
             out.lines()
@@ -50,7 +51,7 @@ fn selftest_passes(backend: &str) {
         out.contains("| qwen3_5-q4g64 | pass (15 checks) | no experts |"),
         "{out}"
     );
-    assert!(out.contains("goldens: 8 of 8 fixtures passed"), "{out}");
+    assert!(out.contains("goldens: 10 of 10 fixtures passed"), "{out}");
     for line in ["- cold: prefill", "- warm: prefill", "- disk probe:", "- DRAM probe:"] {
         assert!(out.contains(line), "no `{line}` in {out}");
     }

@@ -6,7 +6,7 @@
 use serde::Deserialize;
 
 use super::{Architecture, DecoderDims, FfnPlan};
-use crate::config::RopeScaling;
+use crate::config::{ModelConfig, RopeScaling};
 use crate::error::Result;
 use crate::moe::RouterKind;
 use crate::ops::{AttnShape, Rope};
@@ -48,8 +48,8 @@ fn default_ctx() -> usize {
 }
 
 /// Describes a `mixtral` checkpoint.
-pub fn describe(w: &Weights) -> Result<Architecture> {
-    let c: MixtralConfig = w.config().typed()?;
+pub fn describe(config: &ModelConfig, _tensors: Option<&Weights>) -> Result<Architecture> {
+    let c: MixtralConfig = config.typed()?;
     let attn = AttnShape::from_config(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim);
     let dims = DecoderDims {
         hidden: c.hidden_size,

@@ -25,11 +25,12 @@ use crate::ops::{AttnShape, Rope};
 use crate::options::{BackendKind, ExpertOptions};
 use crate::weights::{ExpertLayout, Weights};
 
-type Describe = fn(&Weights) -> Result<Architecture>;
+type Describe = fn(&ModelConfig, Option<&Weights>) -> Result<Architecture>;
 
 /// `model_type` → the architecture's description of a checkpoint.
 const REGISTRY: &[(&str, Describe)] = &[
     ("qwen3_moe", qwen3_moe::describe),
+    ("qwen3", qwen3_moe::describe),
     ("mixtral", mixtral::describe),
     ("qwen3_next", qwen3_next::describe),
     ("qwen3_5_moe", qwen3_next::describe),
@@ -107,21 +108,32 @@ pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &Expe
     })
 }
 
-/// What the checkpoint's `model_type` says its layers are, checked against its tensors' names.
-pub(crate) fn describe(w: &Weights) -> Result<Architecture> {
-    let config = w.config();
-    let describe = REGISTRY
+/// The architecture's description function for a `model_type`.
+fn describer(config: &ModelConfig) -> Result<Describe> {
+    REGISTRY
         .iter()
         .find(|(n, _)| *n == config.model_type)
         .map(|(_, d)| *d)
-        .ok_or_else(|| ModelError::UnknownModelType(config.model_type.clone(), supported_model_types().join(", ")))?;
+        .ok_or_else(|| ModelError::UnknownModelType(config.model_type.clone(), supported_model_types().join(", ")))
+}
+
+/// What a `config.json` alone says the model's layers are (for sizing a model before it is downloaded).
+pub(crate) fn describe_config(config: &ModelConfig) -> Result<Architecture> {
+    let arch = describer(config)?(config, None)?;
+    arch.dims.validate(config, arch.num_experts().unwrap_or(0))?;
+    Ok(arch)
+}
+
+/// What the checkpoint's `model_type` says its layers are, checked against its tensors' names.
+pub(crate) fn describe(w: &Weights) -> Result<Architecture> {
+    let describe = describer(w.config())?;
     if w.checkpoint().names().any(|n| n.contains(".experts.0.")) {
         return Err(ModelError::BadTensor {
             name: "*.experts.0.*".into(),
             message: "per-expert (Hugging Face) layout is not supported yet; convert with `mlx_lm.convert`".into(),
         });
     }
-    describe(w)
+    describe(w.config(), Some(w))
 }
 
 /// A decoder described from its config: the shapes shared by every layer, and each layer's FFN.
@@ -237,7 +249,7 @@ impl DecoderDims {
 
 /// The per-sequence memory a model of these dimensions needs: f32 K and V for every full-attention layer, and
 /// the f32 state and conv history of every linear-attention layer.
-fn footprint(d: &DecoderDims) -> ModelFootprint {
+pub(crate) fn footprint(d: &DecoderDims) -> ModelFootprint {
     let f32s = 4u64;
     let linear = d.hybrid.as_ref().map_or(0, |h| h.linear.iter().filter(|&&l| l).count());
     let kv_layers = (d.layers - linear) as u64;

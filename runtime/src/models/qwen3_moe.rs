@@ -1,4 +1,5 @@
-//! Qwen3-MoE (`qwen3_moe`): Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder-480B.
+//! Qwen3-MoE (`qwen3_moe`): Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder-480B; and dense Qwen3 (`qwen3`,
+//! the draft models' family), which is the same decoder with a dense MLP in every layer.
 //!
 //! Llama-style GQA with per-head q/k RMSNorm before NeoX RoPE; softmax router over all experts, top-k,
 //! optional renormalisation (`norm_topk_prob`); layers in `mlp_only_layers` (or off the
@@ -7,7 +8,7 @@
 use serde::Deserialize;
 
 use super::{Architecture, DecoderDims, FfnPlan};
-use crate::config::RopeScaling;
+use crate::config::{ModelConfig, RopeScaling};
 use crate::error::Result;
 use crate::moe::RouterKind;
 use crate::ops::{AttnShape, Rope};
@@ -23,12 +24,16 @@ pub struct Qwen3MoeConfig {
     pub num_attention_heads: usize,
     pub num_key_value_heads: Option<usize>,
     pub head_dim: Option<usize>,
+    /// Absent (0) in dense `qwen3` checkpoints.
+    #[serde(default)]
     pub num_experts: usize,
+    #[serde(default)]
     pub num_experts_per_tok: usize,
     #[serde(default = "one")]
     pub decoder_sparse_step: usize,
     #[serde(default)]
     pub mlp_only_layers: Vec<usize>,
+    #[serde(default)]
     pub moe_intermediate_size: usize,
     pub rms_norm_eps: f32,
     pub vocab_size: usize,
@@ -62,9 +67,15 @@ impl Qwen3MoeConfig {
     }
 }
 
-/// Describes a `qwen3_moe` checkpoint.
-pub fn describe(w: &Weights) -> Result<Architecture> {
-    let c: Qwen3MoeConfig = w.config().typed()?;
+/// Describes a `qwen3_moe` or `qwen3` checkpoint.
+pub fn describe(config: &ModelConfig, _tensors: Option<&Weights>) -> Result<Architecture> {
+    let c: Qwen3MoeConfig = config.typed()?;
+    // Dense `qwen3` has no experts; a `qwen3_moe` config must say how many it has.
+    for field in ["num_experts", "num_experts_per_tok", "moe_intermediate_size"] {
+        if config.model_type == "qwen3_moe" && config.text.get(field).is_none() {
+            return Err(config.error(format!("missing field `{field}`")));
+        }
+    }
     let attn = AttnShape::from_config(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim);
     let dims = DecoderDims {
         hidden: c.hidden_size,

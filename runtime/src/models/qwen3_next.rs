@@ -14,7 +14,7 @@
 use serde::Deserialize;
 
 use super::{Architecture, DecoderDims, FfnPlan, Hybrid};
-use crate::config::RopeScaling;
+use crate::config::{ModelConfig, RopeScaling};
 use crate::error::Result;
 use crate::gated_delta::DeltaShape;
 use crate::moe::RouterKind;
@@ -110,12 +110,12 @@ impl Qwen3NextConfig {
     }
 }
 
-/// Describes a `qwen3_next` or `qwen3_5_moe` checkpoint.
-pub fn describe(w: &Weights) -> Result<Architecture> {
-    let c: Qwen3NextConfig = w.config().typed()?;
+/// Describes a `qwen3_next` or `qwen3_5_moe` checkpoint from its config (and its tensors' shapes, when loading).
+pub fn describe(config: &ModelConfig, tensors: Option<&Weights>) -> Result<Architecture> {
+    let c: Qwen3NextConfig = config.typed()?;
     if let Some(t) = &c.layer_types {
         if t.len() != c.num_hidden_layers || t.iter().any(|k| k != "linear_attention" && k != "full_attention") {
-            return Err(w.config().error(format!(
+            return Err(config.error(format!(
                 "layer_types must list `linear_attention` or `full_attention` for each of the {} layers",
                 c.num_hidden_layers
             )));
@@ -124,7 +124,7 @@ pub fn describe(w: &Weights) -> Result<Architecture> {
     let attn = AttnShape::from_config(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim);
     let rot = (attn.head_dim as f64 * c.partial_rotary_factor) as usize;
     if rot == 0 || !rot.is_multiple_of(2) || rot > attn.head_dim {
-        return Err(w.config().error(format!(
+        return Err(config.error(format!(
             "partial_rotary_factor {} gives {rot} rotated dims of head_dim {}; need an even number in 2..=head_dim",
             c.partial_rotary_factor, attn.head_dim
         )));
@@ -137,9 +137,10 @@ pub fn describe(w: &Weights) -> Result<Architecture> {
         kernel: c.linear_conv_kernel_dim,
     };
     let linear: Vec<bool> = (0..c.num_hidden_layers).map(|i| c.is_linear(i)).collect();
-    // Hugging Face layout (PyTorch conv [C, 1, K]) stores zero-centred norms: add the 1 here.
+    // Hugging Face layout (PyTorch conv [C, 1, K]) stores zero-centred norms: add the 1 here. (Without the
+    // tensors, for sizing only, the convention does not matter.)
     let hf = linear.iter().position(|&l| l).is_some_and(|i| {
-        let conv = w.shape(&format!("model.layers.{i}.linear_attn.conv1d.weight"));
+        let conv = tensors.and_then(|w| w.shape(&format!("model.layers.{i}.linear_attn.conv1d.weight")));
         conv.is_some_and(|s| s.len() == 3 && s[1] == 1 && s[2] != 1)
     });
     let renormalize = c.norm_topk_prob.unwrap_or(c.is_qwen3_5());

@@ -3,6 +3,7 @@
 use std::path::{Path, PathBuf};
 
 /// Every committed fixture directory (those with a `golden.json`), sorted.
+#[allow(dead_code)] // not every test binary uses it
 pub fn fixtures() -> Vec<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures");
     let mut v: Vec<PathBuf> = std::fs::read_dir(&root)

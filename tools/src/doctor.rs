@@ -1,0 +1,259 @@
+//! `sluice doctor`: before a download, whether a model fits this machine, its memory plan, and the decode
+//! speed the machine's own probes forecast at each `--top-k` (the model behind it: `runtime/src/forecast.rs`).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde::Serialize;
+use sluice_runtime::config::ModelConfig;
+use sluice_runtime::eval::{default_top_ks, parse_top_ks};
+use sluice_runtime::forecast::{
+    check_top_k, forecast, matvec_probe, size_from_config, Forecast, MachineProbes, ModelSize,
+};
+use sluice_runtime::memory_plan::{ExpertPlacement, MachineMemory, MemoryPlan, PlanRequest};
+
+use crate::store_cmds::EngineArgs;
+
+/// Arguments of `sluice doctor`.
+#[derive(Args)]
+pub struct DoctorArgs {
+    /// The model's `config.json`, or a directory holding it (a downloaded model, or just its config).
+    #[arg(long, value_name = "PATH")]
+    config: PathBuf,
+    /// The model's `model.safetensors.index.json`, for its exact size (default: beside the config, if there).
+    #[arg(long)]
+    index: Option<PathBuf>,
+    /// Experts-per-token values to forecast: a list or `all` (default: 1 up to the model's own, then doubling).
+    #[arg(long)]
+    top_k: Option<String>,
+    /// Directory on the disk the model will live on; a probe file is written there and deleted.
+    #[arg(long, default_value = ".")]
+    disk: PathBuf,
+    /// Size of that probe file.
+    #[arg(long, default_value = "1G", value_parser = sluice_runtime::parse_size)]
+    probe_size: u64,
+    /// Seconds spent on each probe.
+    #[arg(long, default_value_t = 3.0)]
+    probe_seconds: f64,
+    /// Context the KV budget covers (default: the model's, at most 32768).
+    #[arg(short = 'c', long)]
+    ctx_size: Option<usize>,
+    /// Print one JSON object instead of the report.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    engine: EngineArgs,
+}
+
+#[derive(Serialize)]
+struct Report {
+    config: String,
+    size: ModelSize,
+    probes: MachineProbes,
+    fits: bool,
+    placement: String,
+    expert_cache: u64,
+    page_cache_for_experts: u64,
+    kv_bytes_per_1k_tokens: u64,
+    warm: Vec<Forecast>,
+    cold: Vec<Forecast>,
+}
+
+/// Runs `sluice doctor`.
+pub fn run(a: DoctorArgs) -> Result<()> {
+    let (config_path, dir) = if a.config.is_dir() {
+        (a.config.join("config.json"), a.config.clone())
+    } else {
+        (
+            a.config.clone(),
+            a.config.parent().unwrap_or(Path::new(".")).to_path_buf(),
+        )
+    };
+    let text = std::fs::read_to_string(&config_path).with_context(|| format!("reading {}", config_path.display()))?;
+    let config = ModelConfig::parse(&config_path, &text)?;
+    let index = a
+        .index
+        .clone()
+        .or_else(|| Some(dir.join("model.safetensors.index.json")).filter(|p| p.exists()));
+    let index_total = match &index {
+        Some(p) => Some(index_total_size(p)?),
+        None => None,
+    };
+    let size = size_from_config(&config, index_total)?;
+    let top_ks = match &a.top_k {
+        Some(spec) => parse_top_ks(spec, size.num_experts)?,
+        None if size.num_experts == 0 => vec![0],
+        None => default_top_ks(size.top_k, size.num_experts),
+    };
+    for &k in &top_ks {
+        check_top_k(&size, k)?;
+    }
+    let mut opts = a.engine.options()?;
+    opts.context = a.ctx_size;
+    let machine = MachineMemory::probe();
+    let plan = MemoryPlan::new(machine, size.footprint, &PlanRequest::from_options(&opts));
+    let time = Duration::from_secs_f64(a.probe_seconds.max(0.1));
+    if !a.json {
+        eprintln!(
+            "probing: the disk under {}, DRAM, and the matvec kernel ({:.0} s each)…",
+            a.disk.display(),
+            a.probe_seconds
+        );
+    }
+    let probes = MachineProbes {
+        disk_gbps: probe_disk(&a.disk, a.probe_size, size.record_bytes.max(4096), opts.io_depth, time)?,
+        dram_gbps: sluice_runtime::cpu::dram_read_gbps(512 << 20, time),
+        matvec_gbps: 0.0,
+        call_seconds: 0.0,
+    };
+    let hidden = config.text.get("hidden_size").and_then(|v| v.as_u64()).unwrap_or(4096) as usize;
+    let (matvec_gbps, call_seconds) = matvec_probe(config.quant.default, hidden, time);
+    let probes = MachineProbes {
+        matvec_gbps,
+        call_seconds,
+        ..probes
+    };
+    // The OS page cache holds expert records too, unless reads bypass it: what the plan leaves free.
+    let used = size.resident_bytes + plan.expert_cache + plan.kv_per_sequence + plan.margin;
+    let page_cache = if plan.placement == ExpertPlacement::Resident || opts.direct_io {
+        0
+    } else {
+        plan.limit
+            .saturating_sub(used)
+            .min(size.expert_bytes.saturating_sub(plan.expert_cache))
+    };
+    let k_of = |k: usize| if k == 0 { size.top_k } else { k };
+    let report = Report {
+        config: config_path.display().to_string(),
+        fits: size.resident_bytes + plan.kv_per_sequence + plan.margin <= plan.limit,
+        placement: format!("{:?}", plan.placement).to_lowercase(),
+        expert_cache: plan.expert_cache,
+        page_cache_for_experts: page_cache,
+        kv_bytes_per_1k_tokens: size.footprint.kv_bytes_per_token * 1000,
+        warm: top_ks
+            .iter()
+            .map(|&k| forecast(&size, &plan, &probes, k_of(k), false, page_cache))
+            .collect(),
+        cold: top_ks
+            .iter()
+            .map(|&k| forecast(&size, &plan, &probes, k_of(k), true, 0))
+            .collect(),
+        size,
+        probes,
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_report(&report, &plan);
+    }
+    Ok(())
+}
+
+/// `metadata.total_size` of a safetensors index.
+fn index_total_size(path: &Path) -> Result<u64> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    match v.pointer("/metadata/total_size").and_then(|t| t.as_u64()) {
+        Some(t) if t > 0 => Ok(t),
+        _ => bail!("{} has no metadata.total_size", path.display()),
+    }
+}
+
+/// Writes a probe file of `size` bytes under `dir`, reads records of `record` bytes from it at random
+/// offsets, `depth` at a time, bypassing the page cache, and deletes it.
+fn probe_disk(dir: &Path, size: u64, record: u64, depth: usize, time: Duration) -> Result<f64> {
+    use std::io::Write;
+
+    let size = size.max(record * 4).next_multiple_of(1 << 20);
+    let file = tempfile::Builder::new()
+        .prefix(".sluice-doctor-probe")
+        .tempfile_in(dir)
+        .with_context(|| format!("creating a probe file in {}", dir.display()))?;
+    {
+        let mut w = std::io::BufWriter::with_capacity(8 << 20, file.as_file());
+        // Incompressible-looking bytes, so no filesystem shortcut flatters the reads.
+        let block: Vec<u8> = (0..(1usize << 20))
+            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+            .collect();
+        for _ in 0..size >> 20 {
+            w.write_all(&block)?;
+        }
+        w.flush()?;
+    }
+    file.as_file().sync_all()?;
+    crate::bench::disk_probe_file(file.path(), record, depth, time)
+}
+
+fn gib(b: u64) -> String {
+    format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+fn print_report(r: &Report, plan: &MemoryPlan) {
+    let s = &r.size;
+    println!(
+        "{}: {} ({} layers, {} of them MoE with {} experts, top-{}), {:.2} bytes/weight; sizes {}",
+        r.config,
+        s.model_type,
+        s.layers,
+        s.moe_layers,
+        s.num_experts,
+        s.top_k,
+        s.bytes_per_weight,
+        if s.exact {
+            "scaled to the index's total_size"
+        } else {
+            "estimated from the config"
+        }
+    );
+    println!(
+        "weights: {} resident + {} of experts ({:.1} MiB per expert record); KV {:.1} MiB per 1k tokens",
+        gib(s.resident_bytes),
+        gib(s.expert_bytes),
+        s.record_bytes as f64 / (1u64 << 20) as f64,
+        r.kv_bytes_per_1k_tokens as f64 / (1u64 << 20) as f64
+    );
+    println!(
+        "probes: disk {:.2} GB/s (random {:.1} MiB reads) | DRAM {:.1} GB/s | matvec {:.1} GB/s, {:.1} µs per call",
+        r.probes.disk_gbps,
+        s.record_bytes as f64 / (1u64 << 20) as f64,
+        r.probes.dram_gbps,
+        r.probes.matvec_gbps,
+        r.probes.call_seconds * 1e6
+    );
+    println!();
+    print!("{plan}");
+    println!();
+    if !r.fits {
+        println!("does NOT fit: the resident weights, KV and margin alone exceed the memory limit");
+    } else {
+        println!(
+            "fits: experts {}{}",
+            r.placement,
+            if r.page_cache_for_experts > 0 {
+                format!(
+                    ", plus ~{} of page cache for expert records",
+                    gib(r.page_cache_for_experts)
+                )
+            } else {
+                String::new()
+            }
+        );
+    }
+    println!();
+    println!("| experts/token | assumed hit rate | disk MB/token | forecast tok/s (steady) | limited by | forecast tok/s (cold) |");
+    println!("|---:|---:|---:|---:|---|---:|");
+    for (w, c) in r.warm.iter().zip(&r.cold) {
+        println!(
+            "| {}{} | {:.0}% | {:.1} | {:.2} | {} | {:.2} |",
+            w.top_k,
+            if w.top_k == s.top_k { " (own)" } else { "" },
+            w.hit_rate * 100.0,
+            w.read_bytes_per_token / 1e6,
+            w.tok_s,
+            w.limited_by,
+            c.tok_s
+        );
+    }
+}

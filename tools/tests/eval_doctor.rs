@@ -1,0 +1,195 @@
+//! `sluice eval` and `sluice doctor` as a user runs them: the report's fields, the plot, bad input failing
+//! cleanly. (Their numbers are checked against mlx-lm in runtime/tests/trained.rs, and the size model against
+//! every fixture in runtime's forecast tests.)
+
+mod common;
+
+use common::{fixture, ok, sluice};
+use serde_json::Value;
+
+fn fails(args: &[&str]) -> String {
+    let out = sluice(args);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "{args:?} should fail");
+    assert!(!err.contains("panicked"), "panic: {err}");
+    err
+}
+
+#[test]
+fn eval_reports_every_k_with_quality_and_speed_and_draws_the_plot() {
+    let dir = tempfile::tempdir().unwrap();
+    let svg = dir.path().join("topk.svg");
+    let model = fixture("brown-qwen3_moe-q4g64");
+    let text = fixture("brown-heldout.txt");
+    let (out, _) = ok(&[
+        "eval",
+        "--model",
+        model.to_str().unwrap(),
+        "--text",
+        text.to_str().unwrap(),
+        "--ctx",
+        "128",
+        "--windows",
+        "3",
+        "--top-k",
+        "1,2,4,16",
+        "--decode-tokens",
+        "8",
+        "--json",
+        "--plot",
+        svg.to_str().unwrap(),
+    ]);
+    let r: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(r["windows"], 3);
+    assert_eq!(r["own_top_k"], 4);
+    let rows = r["rows"].as_array().unwrap();
+    assert_eq!(
+        rows.iter().map(|x| x["top_k"].as_u64().unwrap()).collect::<Vec<_>>(),
+        [1, 2, 4, 16]
+    );
+    for row in rows {
+        assert_eq!(row["tokens"], 3 * 127);
+        assert!(row["perplexity"].as_f64().unwrap() > 1.0);
+        assert!(row["decode_tok_s"].as_f64().unwrap() > 0.0);
+        let k = row["top_k"].as_u64().unwrap();
+        let own = k == 4;
+        assert_eq!(row["kl"].as_f64().unwrap() == 0.0, own, "{row}");
+        assert_eq!(row["top1_agreement"].as_f64().unwrap() == 1.0, own, "{row}");
+    }
+    // Expert bytes per token grow with k in proportion.
+    let bytes = |i: usize| rows[i]["expert_bytes_per_token"].as_u64().unwrap();
+    assert_eq!(bytes(3), 16 * bytes(0));
+    let plot = std::fs::read_to_string(&svg).unwrap();
+    assert!(plot.starts_with("<svg") && plot.contains("perplexity") && plot.contains("decode tok/s"));
+
+    // The table form names the model's own k.
+    let (table, _) = ok(&[
+        "eval",
+        "--model",
+        model.to_str().unwrap(),
+        "--text",
+        text.to_str().unwrap(),
+        "--ctx",
+        "64",
+        "--windows",
+        "1",
+        "--decode-tokens",
+        "0",
+    ]);
+    assert!(table.contains("| 4 (own) |"), "{table}");
+    let rows = table
+        .lines()
+        .filter(|l| l.starts_with("| ") && l.as_bytes()[2].is_ascii_digit());
+    assert_eq!(rows.count(), 6, "default ladder 1,2,3,4,8,16: {table}");
+}
+
+#[test]
+fn eval_rejects_bad_input_cleanly() {
+    let model = fixture("brown-qwen3_moe-q4g64");
+    let dense = fixture("brown-qwen3-q4g64");
+    let text = fixture("brown-heldout.txt");
+    let (m, t) = (model.to_str().unwrap(), text.to_str().unwrap());
+    let err = fails(&["eval", "--model", m, "--text", t, "--top-k", "17"]);
+    assert!(err.contains("outside 1..=16"), "{err}");
+    let err = fails(&["eval", "--model", m, "--text", t, "--ctx", "4096"]);
+    assert!(err.contains("longer than the model's context"), "{err}");
+    let err = fails(&["eval", "--model", dense.to_str().unwrap(), "--text", t]);
+    assert!(err.contains("no routed experts"), "{err}");
+    let short = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(short.path(), "Too short.").unwrap();
+    let err = fails(&["eval", "--model", m, "--text", short.path().to_str().unwrap()]);
+    assert!(err.contains("fewer than one window"), "{err}");
+    let err = fails(&["eval", "--model", m, "--text", "/nonexistent/text.txt"]);
+    assert!(err.contains("/nonexistent/text.txt"), "{err}");
+}
+
+#[test]
+fn doctor_sizes_plans_and_forecasts_from_a_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = fixture("qwen3_moe-q4g64");
+    let args = |extra: &[&str]| {
+        let mut v = vec![
+            "doctor".to_string(),
+            "--config".into(),
+            model.join("config.json").to_string_lossy().into_owned(),
+            "--disk".into(),
+            dir.path().to_string_lossy().into_owned(),
+            "--probe-size".into(),
+            "8M".into(),
+            "--probe-seconds".into(),
+            "0.2".into(),
+            "--json".into(),
+        ];
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    };
+    let run = |extra: &[&str]| -> Value {
+        let a = args(extra);
+        let (out, _) = ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
+        serde_json::from_str(&out).unwrap()
+    };
+    let r = run(&[]);
+    assert_eq!(r["fits"], true);
+    assert_eq!(r["placement"], "resident");
+    assert_eq!(r["size"]["num_experts"], 8);
+    // The index beside the config gives the exact total; the config alone gives an estimate close to it.
+    assert_eq!(r["size"]["exact"], true);
+    let alone = tempfile::tempdir().unwrap();
+    std::fs::copy(model.join("config.json"), alone.path().join("config.json")).unwrap();
+    let (out, _) = ok(&[
+        "doctor",
+        "--config",
+        alone.path().to_str().unwrap(),
+        "--disk",
+        dir.path().to_str().unwrap(),
+        "--probe-size",
+        "8M",
+        "--probe-seconds",
+        "0.2",
+        "--json",
+    ]);
+    let est: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(est["size"]["exact"], false);
+    let (a, b) = (
+        est["size"]["expert_bytes"].as_f64().unwrap(),
+        r["size"]["expert_bytes"].as_f64().unwrap(),
+    );
+    assert!((a / b - 1.0).abs() < 0.03, "{a} vs {b}");
+    for p in ["disk_gbps", "dram_gbps", "matvec_gbps", "call_seconds"] {
+        assert!(r["probes"][p].as_f64().unwrap() > 0.0, "{p}: {r}");
+    }
+    let warm = r["warm"].as_array().unwrap();
+    assert_eq!(warm.len(), 5, "default ladder 1,2,3,6,8");
+    for w in warm.windows(2) {
+        assert!(w[1]["tok_s"].as_f64() < w[0]["tok_s"].as_f64());
+    }
+    // No probe file left behind.
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+
+    // Streamed through a cache of 4 records with direct I/O: hits below 1, a cold forecast below the warm one.
+    let r = run(&[
+        "--experts",
+        "stream",
+        "--expert-cache",
+        "64K",
+        "--direct-io",
+        "--top-k",
+        "3",
+    ]);
+    assert_eq!(r["placement"], "stream");
+    let (w, c) = (&r["warm"][0], &r["cold"][0]);
+    assert!(w["hit_rate"].as_f64().unwrap() < 1.0, "{w}");
+    assert_eq!(c["hit_rate"], 0.0);
+    assert!(c["tok_s"].as_f64() <= w["tok_s"].as_f64());
+
+    let err = fails(&["doctor", "--config", "/nonexistent/config.json"]);
+    assert!(err.contains("/nonexistent/config.json"), "{err}");
+    let bad = tempfile::tempdir().unwrap();
+    std::fs::write(
+        bad.path().join("config.json"),
+        r#"{"model_type": "llama", "hidden_size": 8}"#,
+    )
+    .unwrap();
+    let err = fails(&["doctor", "--config", bad.path().to_str().unwrap()]);
+    assert!(err.contains("llama"), "{err}");
+}
