@@ -83,8 +83,9 @@ fn mlx_streamed_equals_resident_bit_for_bit() {
             continue;
         }
         let want = trace(&resident, &g.prompt_ids, 5);
-        // A slot budget of a few records: experts are evicted and read again within a step.
-        let streamed = load(&dir, BackendKind::Mlx, ExpertMode::Stream, Some(96 << 10));
+        // A slot budget of a few records (page-aligned slots): experts are evicted and read again within a step.
+        let few = (96u64 << 10).max(4 * resident.info.expert_record_bytes.next_multiple_of(16 << 10));
+        let streamed = load(&dir, BackendKind::Mlx, ExpertMode::Stream, Some(few));
         assert!(streamed.expert_slots().is_some());
         let got = trace(&streamed, &g.prompt_ids, 5);
         assert!(got == want, "{}: streamed differs from resident on mlx", dir.display());
