@@ -7,10 +7,13 @@
 //!   matrices larger than the caches) + one probed call overhead per kernel call;
 //! * I/O, when experts stream: a record misses with probability 1 − h, where h = cached records ÷ all records
 //!   (uniform routing in steady state: what random weights and `sluice bench`'s random tokens give; real
-//!   routing is skewed, so real hit rates are higher), each miss costs record ÷ the disk probe's bandwidth
-//!   (random reads of one record at the engine's depth); cold, h = 0;
-//! * each MoE layer waits for the longer of its reads and its experts' compute (experts are computed as their
-//!   records land), everything else adds up.
+//!   routing is skewed, so real hit rates are higher); cold, h = 0. A layer's m = k(1 − h) misses are read
+//!   together, so they run min(m, io depth) deep, and the disk's bandwidth at that depth (probed at 1, 2, 4, …
+//!   reads in flight, interpolated between) prices them: the engine reads one layer at a time, and one or two
+//!   reads in flight get a fraction of what eight get;
+//! * each MoE layer waits for the longer of its reads and its experts' compute: experts are computed as their
+//!   records land, but reads in flight share the disk and land together, so the last wave's min(m, depth)
+//!   records are computed after the reads end; everything else adds up.
 //!
 //! No constant in it is fitted to a benchmark: its inputs are the probes and the shapes.
 
@@ -191,16 +194,53 @@ pub fn size_from_config(config: &ModelConfig, index_total: Option<u64>) -> Resul
 }
 
 /// What the machine measured.
-#[derive(Debug, Clone, Copy, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 pub struct MachineProbes {
-    /// Random reads of one record at the engine's depth, bypassing the page cache, GB/s.
-    pub disk_gbps: f64,
+    /// Random reads of one record bypassing the page cache, GB/s, at each probed depth (reads in flight),
+    /// ascending; the last is the engine's depth.
+    pub disk_gbps_by_depth: Vec<(usize, f64)>,
     /// Plain sequential DRAM reads, GB/s.
     pub dram_gbps: f64,
     /// sluice's matvec kernel at the model's quantization on matrices larger than the caches, GB/s of weights.
     pub matvec_gbps: f64,
     /// Seconds one small kernel call costs (dispatch to the thread pool and back).
     pub call_seconds: f64,
+}
+
+impl MachineProbes {
+    /// Disk bandwidth at the engine's depth, GB/s (0 when the disk was not probed).
+    pub fn disk_gbps(&self) -> f64 {
+        self.disk_gbps_by_depth.last().map_or(0.0, |&(_, b)| b)
+    }
+
+    /// Disk bandwidth with `depth` reads in flight, GB/s: linear between the probed depths, clamped to them.
+    pub fn disk_gbps_at(&self, depth: f64) -> f64 {
+        let d = &self.disk_gbps_by_depth;
+        let Some(&(d0, b0)) = d.first() else {
+            return 0.0;
+        };
+        if depth <= d0 as f64 {
+            return b0;
+        }
+        for w in d.windows(2) {
+            let ((lo, blo), (hi, bhi)) = (w[0], w[1]);
+            if depth <= hi as f64 {
+                let t = (depth - lo as f64) / (hi - lo).max(1) as f64;
+                return blo + t * (bhi - blo);
+            }
+        }
+        self.disk_gbps()
+    }
+}
+
+/// The depths `doctor` probes the disk at: 1, 2, 4, … below `io_depth`, then `io_depth`.
+pub fn probe_depths(io_depth: usize) -> Vec<usize> {
+    let io_depth = io_depth.max(1);
+    let mut v: Vec<usize> = std::iter::successors(Some(1usize), |d| Some(d * 2))
+        .take_while(|&d| d < io_depth)
+        .collect();
+    v.push(io_depth);
+    v
 }
 
 /// One experts-per-token value's forecast.
@@ -222,13 +262,14 @@ pub struct Forecast {
     pub limited_by: &'static str,
 }
 
-/// The forecast at `top_k` for a model sized `s`, planned as `plan`, on a machine measured as `p`. `cold`:
-/// every cache empty (the first tokens after a start). `page_cache`: bytes of expert records the OS page cache
-/// may hold beside the slot cache (0 with direct I/O).
+/// The forecast at `top_k` for a model sized `s`, planned as `plan`, read `io_depth` records at a time, on a
+/// machine measured as `p`. `cold`: every cache empty (the first tokens after a start). `page_cache`: bytes of
+/// expert records the OS page cache may hold beside the slot cache (0 with direct I/O).
 pub fn forecast(
     s: &ModelSize,
     plan: &MemoryPlan,
     p: &MachineProbes,
+    io_depth: usize,
     top_k: usize,
     cold: bool,
     page_cache: u64,
@@ -245,10 +286,22 @@ pub fn forecast(
     let resident = s.resident_read_per_token as f64 / bw + s.resident_calls_per_token as f64 * p.call_seconds;
     let per_layer_compute = top_k as f64 * (s.record_bytes as f64 / bw + 3.0 * p.call_seconds);
     let misses = top_k as f64 * (1.0 - hit_rate);
-    let per_layer_io = misses * s.record_bytes as f64 / (p.disk_gbps * 1e9);
+    let depth = misses.clamp(1.0, io_depth.max(1) as f64);
+    let per_layer_io = if misses > 0.0 {
+        misses * s.record_bytes as f64 / (p.disk_gbps_at(depth) * 1e9)
+    } else {
+        0.0
+    };
     let layers = s.moe_layers as f64;
     let compute = resident + layers * per_layer_compute;
-    let step = resident + layers * per_layer_compute.max(per_layer_io);
+    // Reads in flight share the disk, so a wave of them lands together at the end: the last wave's records
+    // (min(m, depth) of them) are computed after the layer's reads; hits and earlier waves meanwhile.
+    let last = if misses > 0.0 {
+        depth * per_layer_compute / top_k.max(1) as f64
+    } else {
+        0.0
+    };
+    let step = resident + layers * per_layer_compute.max(per_layer_io + last);
     Forecast {
         top_k,
         hit_rate,
@@ -256,7 +309,7 @@ pub fn forecast(
         compute_seconds: compute,
         io_wait_seconds: step - compute,
         tok_s: 1.0 / step,
-        limited_by: if per_layer_io > per_layer_compute {
+        limited_by: if per_layer_io + last > per_layer_compute {
             "disk"
         } else {
             "compute"
@@ -399,7 +452,7 @@ mod tests {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/qwen3_moe-q4g64");
         let s = size_from_config(&ModelConfig::load(&root).unwrap(), None).unwrap();
         let probes = MachineProbes {
-            disk_gbps: 2.0,
+            disk_gbps_by_depth: vec![(1, 0.5), (2, 1.0), (4, 2.0), (8, 2.0)],
             dram_gbps: 20.0,
             matvec_gbps: 10.0,
             call_seconds: 1e-9,
@@ -421,13 +474,15 @@ mod tests {
             ..ExpertOptions::default()
         };
         let streamed = MemoryPlan::new(machine, s.footprint, &PlanRequest::from_options(&stream_opts));
-        let r: Vec<_> = (1..=8).map(|k| forecast(&s, &resident, &probes, k, false, 0)).collect();
+        let r: Vec<_> = (1..=8)
+            .map(|k| forecast(&s, &resident, &probes, 8, k, false, 0))
+            .collect();
         for w in r.windows(2) {
             assert!(w[1].tok_s < w[0].tok_s);
             assert_eq!(w[0].hit_rate, 1.0);
         }
-        let warm = forecast(&s, &streamed, &probes, 3, false, 0);
-        let cold = forecast(&s, &streamed, &probes, 3, true, 0);
+        let warm = forecast(&s, &streamed, &probes, 8, 3, false, 0);
+        let cold = forecast(&s, &streamed, &probes, 8, 3, true, 0);
         assert!(warm.hit_rate > 0.0 && warm.hit_rate < 1.0, "{}", warm.hit_rate);
         assert_eq!(cold.hit_rate, 0.0);
         assert!(cold.tok_s < warm.tok_s && warm.tok_s < r[2].tok_s);
@@ -437,5 +492,33 @@ mod tests {
             cold.read_bytes_per_token,
             (3 * s.moe_layers as u64 * s.record_bytes) as f64
         );
+        // One read in flight gets the depth-1 bandwidth: slower per record than three.
+        let one = forecast(&s, &streamed, &probes, 8, 1, true, 0);
+        assert!(one.io_wait_seconds + one.compute_seconds > (cold.io_wait_seconds + cold.compute_seconds) / 3.0);
+    }
+
+    #[test]
+    fn disk_bandwidth_is_interpolated_between_probed_depths() {
+        assert_eq!(probe_depths(8), vec![1, 2, 4, 8]);
+        assert_eq!(probe_depths(6), vec![1, 2, 4, 6]);
+        assert_eq!(probe_depths(1), vec![1]);
+        let p = MachineProbes {
+            disk_gbps_by_depth: vec![(1, 1.0), (2, 2.0), (4, 3.0), (8, 4.0)],
+            dram_gbps: 0.0,
+            matvec_gbps: 0.0,
+            call_seconds: 0.0,
+        };
+        for (d, want) in [
+            (0.5, 1.0),
+            (1.0, 1.0),
+            (1.5, 1.5),
+            (3.0, 2.5),
+            (6.0, 3.5),
+            (8.0, 4.0),
+            (16.0, 4.0),
+        ] {
+            assert!((p.disk_gbps_at(d) - want).abs() < 1e-12, "{d}: {}", p.disk_gbps_at(d));
+        }
+        assert_eq!(p.disk_gbps(), 4.0);
     }
 }

@@ -10,7 +10,7 @@ use serde::Serialize;
 use sluice_runtime::config::ModelConfig;
 use sluice_runtime::eval::{default_top_ks, parse_top_ks};
 use sluice_runtime::forecast::{
-    check_top_k, forecast, matvec_probe, size_from_config, Forecast, MachineProbes, ModelSize,
+    check_top_k, forecast, matvec_probe, probe_depths, size_from_config, Forecast, MachineProbes, ModelSize,
 };
 use sluice_runtime::memory_plan::{ExpertPlacement, MachineMemory, MemoryPlan, PlanRequest};
 
@@ -103,7 +103,7 @@ pub fn run(a: DoctorArgs) -> Result<()> {
         );
     }
     let probes = MachineProbes {
-        disk_gbps: probe_disk(&a.disk, a.probe_size, size.record_bytes.max(4096), opts.io_depth, time)?,
+        disk_gbps_by_depth: probe_disk(&a.disk, a.probe_size, size.record_bytes.max(4096), opts.io_depth, time)?,
         dram_gbps: sluice_runtime::cpu::dram_read_gbps(512 << 20, time),
         matvec_gbps: 0.0,
         call_seconds: 0.0,
@@ -134,11 +134,11 @@ pub fn run(a: DoctorArgs) -> Result<()> {
         kv_bytes_per_1k_tokens: size.footprint.kv_bytes_per_token * 1000,
         warm: top_ks
             .iter()
-            .map(|&k| forecast(&size, &plan, &probes, k_of(k), false, page_cache))
+            .map(|&k| forecast(&size, &plan, &probes, opts.io_depth, k_of(k), false, page_cache))
             .collect(),
         cold: top_ks
             .iter()
-            .map(|&k| forecast(&size, &plan, &probes, k_of(k), true, 0))
+            .map(|&k| forecast(&size, &plan, &probes, opts.io_depth, k_of(k), true, 0))
             .collect(),
         size,
         probes,
@@ -162,8 +162,9 @@ fn index_total_size(path: &Path) -> Result<u64> {
 }
 
 /// Writes a probe file of `size` bytes under `dir`, reads records of `record` bytes from it at random
-/// offsets, `depth` at a time, bypassing the page cache, and deletes it.
-fn probe_disk(dir: &Path, size: u64, record: u64, depth: usize, time: Duration) -> Result<f64> {
+/// offsets, 1, 2, 4, … up to `depth` at a time (`time` split between the depths), bypassing the page cache,
+/// and deletes it: GB/s at each depth.
+fn probe_disk(dir: &Path, size: u64, record: u64, depth: usize, time: Duration) -> Result<Vec<(usize, f64)>> {
     use std::io::Write;
 
     let size = size.max(record * 4).next_multiple_of(1 << 20);
@@ -183,7 +184,12 @@ fn probe_disk(dir: &Path, size: u64, record: u64, depth: usize, time: Duration) 
         w.flush()?;
     }
     file.as_file().sync_all()?;
-    crate::bench::disk_probe_file(file.path(), record, depth, time)
+    let depths = probe_depths(depth);
+    let each = time / depths.len() as u32;
+    depths
+        .into_iter()
+        .map(|d| Ok((d, crate::bench::disk_probe_file(file.path(), record, d, each)?)))
+        .collect()
 }
 
 fn gib(b: u64) -> String {
@@ -215,9 +221,20 @@ fn print_report(r: &Report, plan: &MemoryPlan) {
         r.kv_bytes_per_1k_tokens as f64 / (1u64 << 20) as f64
     );
     println!(
-        "probes: disk {:.2} GB/s (random {:.1} MiB reads) | DRAM {:.1} GB/s | matvec {:.1} GB/s, {:.1} µs per call",
-        r.probes.disk_gbps,
+        "probes: disk {} GB/s (random {:.1} MiB reads at depth {}) | DRAM {:.1} GB/s | matvec {:.1} GB/s, {:.1} µs per call",
+        r.probes
+            .disk_gbps_by_depth
+            .iter()
+            .map(|(_, b)| format!("{b:.2}"))
+            .collect::<Vec<_>>()
+            .join("/"),
         s.record_bytes as f64 / (1u64 << 20) as f64,
+        r.probes
+            .disk_gbps_by_depth
+            .iter()
+            .map(|(d, _)| d.to_string())
+            .collect::<Vec<_>>()
+            .join("/"),
         r.probes.dram_gbps,
         r.probes.matvec_gbps,
         r.probes.call_seconds * 1e6

@@ -155,9 +155,14 @@ fn doctor_sizes_plans_and_forecasts_from_a_config() {
         r["size"]["expert_bytes"].as_f64().unwrap(),
     );
     assert!((a / b - 1.0).abs() < 0.03, "{a} vs {b}");
-    for p in ["disk_gbps", "dram_gbps", "matvec_gbps", "call_seconds"] {
+    for p in ["dram_gbps", "matvec_gbps", "call_seconds"] {
         assert!(r["probes"][p].as_f64().unwrap() > 0.0, "{p}: {r}");
     }
+    // The disk at 1, 2, 4 and 8 reads in flight (the default --io-depth).
+    let disk = r["probes"]["disk_gbps_by_depth"].as_array().unwrap();
+    let depths: Vec<u64> = disk.iter().map(|d| d[0].as_u64().unwrap()).collect();
+    assert_eq!(depths, [1, 2, 4, 8]);
+    assert!(disk.iter().all(|d| d[1].as_f64().unwrap() > 0.0), "{r}");
     let warm = r["warm"].as_array().unwrap();
     assert_eq!(warm.len(), 5, "default ladder 1,2,3,6,8");
     for w in warm.windows(2) {
