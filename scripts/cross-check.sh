@@ -37,8 +37,8 @@ if [ "$what" = aarch64 ] || [ "$what" = all ]; then
   export CC_aarch64_unknown_linux_gnu=aarch64-linux-gnu-gcc
   export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -cpu max -L /usr/aarch64-linux-gnu"
   echo "== aarch64 Linux under qemu: expert-store and runtime tests" >&2
-  # Every test but the trained model's held-out perplexity sweep (57k token-forwards: ~10 min emulated); it runs
-  # natively on x86-64 in the README's test command.
+  # Every test but the trained models' held-out perplexity sweeps (57k token-forwards each: ~10 min emulated;
+  # the int8 one runs the float kernels there anyway); they run natively on x86-64 in the README's test command.
   cargo test -p expert-store -p sluice-runtime --target aarch64-unknown-linux-gnu -- \
-    --skip eval_perplexity_matches_mlx_lm_at_each_top_k
+    --skip eval_perplexity_matches_mlx_lm_at_each_top_k --skip trained_perplexity_stays_within_half_a_percent
 fi

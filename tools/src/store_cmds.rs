@@ -31,9 +31,10 @@ pub struct EngineArgs {
     /// Speculative expert reads during decode: none, prev-token, next-layer.
     #[arg(long, default_value = "none", env = "SLUICE_PREFETCH")]
     pub prefetch: PrefetchMode,
-    /// Matmul kernels: `exact` (f32 activations; matches mlx-lm to ~1e-5) or `q8` (activations quantized
-    /// to int8 per 32 values for integer dot products, as llama.cpp does; faster, ~0.5% noise).
-    #[arg(long, default_value = "exact", env = "SLUICE_KERNELS")]
+    /// Matmul kernels: `q8` (activations quantized to int8 per 32 values for integer dot products, as
+    /// llama.cpp does; faster; held-out perplexity within 0.5% of exact) or `exact` (f32 activations; matches
+    /// mlx-lm to ~1e-5). Where no int8 kernel exists (other than 4/8-bit on x86-64), q8 runs the exact ones.
+    #[arg(long, default_value = "q8", env = "SLUICE_KERNELS")]
     pub kernels: Kernels,
     /// Compute backend: `cpu` (sluice's kernels) or `mlx` (MLX: Metal on macOS; needs a build with
     /// `--features mlx`). Default: mlx on macOS when compiled in, else cpu.

@@ -57,6 +57,9 @@ fn generate_prints_the_same_text_as_the_library_and_one_summary_line() {
         "The quick brown fox",
         "-n",
         "12",
+        // The library's kernels (the command line defaults to q8).
+        "--kernels",
+        "exact",
     ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let p = Pipeline::load(&dir).unwrap();

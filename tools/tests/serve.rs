@@ -30,7 +30,18 @@ impl Drop for Server {
 
 fn start(extra: &[&str]) -> Server {
     let dir = fixture("qwen3_moe-q4g64");
-    let mut args = vec!["serve", "-m", dir.to_str().unwrap(), "--port", "0", "--model-id", "fox"];
+    // The library's kernels, which the tests compare against (the command line defaults to q8).
+    let mut args = vec![
+        "serve",
+        "-m",
+        dir.to_str().unwrap(),
+        "--port",
+        "0",
+        "--model-id",
+        "fox",
+        "--kernels",
+        "exact",
+    ];
     args.extend_from_slice(extra);
     let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
         .args(&args)
