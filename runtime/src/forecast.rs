@@ -286,21 +286,20 @@ pub fn forecast(
     let resident = s.resident_read_per_token as f64 / bw + s.resident_calls_per_token as f64 * p.call_seconds;
     let per_layer_compute = top_k as f64 * (s.record_bytes as f64 / bw + 3.0 * p.call_seconds);
     let misses = top_k as f64 * (1.0 - hit_rate);
-    let depth = misses.clamp(1.0, io_depth.max(1) as f64);
-    let per_layer_io = if misses > 0.0 {
-        misses * s.record_bytes as f64 / (p.disk_gbps_at(depth) * 1e9)
+    // A layer's misses are read together, min(m, io depth) in flight. Reads in flight share the disk, so a
+    // wave of them lands together at the end: the last wave's records are computed after the layer's reads
+    // (`last`); hits and earlier waves meanwhile.
+    let (per_layer_io, last) = if misses > 0.0 {
+        let depth = misses.clamp(1.0, io_depth.max(1) as f64);
+        (
+            misses * s.record_bytes as f64 / (p.disk_gbps_at(depth) * 1e9),
+            depth * per_layer_compute / top_k.max(1) as f64,
+        )
     } else {
-        0.0
+        (0.0, 0.0)
     };
     let layers = s.moe_layers as f64;
     let compute = resident + layers * per_layer_compute;
-    // Reads in flight share the disk, so a wave of them lands together at the end: the last wave's records
-    // (min(m, depth) of them) are computed after the layer's reads; hits and earlier waves meanwhile.
-    let last = if misses > 0.0 {
-        depth * per_layer_compute / top_k.max(1) as f64
-    } else {
-        0.0
-    };
     let step = resident + layers * per_layer_compute.max(per_layer_io + last);
     Forecast {
         top_k,

@@ -134,26 +134,18 @@ fn fixture_logits_stay_close_to_mlx_lm() {
 /// rounded activations any coarser, or misplaced a block, would move it by far more.
 #[test]
 fn trained_perplexity_stays_within_half_a_percent_of_mlx_lm() {
-    use sluice_runtime::eval::{evaluate, EvalOptions};
-    use sluice_runtime::{Pipeline, Prompt};
+    use common::{EvalGolden, TRAINED_TARGETS};
+    use sluice_runtime::eval::evaluate;
+    use sluice_runtime::Pipeline;
 
     set_q8_activations(true);
-    for name in ["brown-qwen3_moe-q4g64", "brown-qwen3_moe-q8g32"] {
+    for name in TRAINED_TARGETS {
         let dir = common::fixture(name);
-        let g: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("eval.json")).unwrap()).unwrap();
-        let text = std::fs::read_to_string(common::fixture(g["text"].as_str().unwrap())).unwrap();
+        let g = EvalGolden::load(&dir);
         let p = Pipeline::load(&dir).unwrap();
-        let ids = p.tokenize(&Prompt::Raw(text)).unwrap();
-        let rows = g["rows"].as_array().unwrap();
-        let opts = EvalOptions {
-            ctx: g["ctx"].as_u64().unwrap() as usize,
-            top_ks: rows.iter().map(|r| r["top_k"].as_u64().unwrap() as usize).collect(),
-            max_windows: Some(g["windows"].as_u64().unwrap() as usize),
-        };
-        let ours = evaluate(&p.model, &ids, &opts, |_, _| {}).unwrap();
-        for (o, want) in ours.iter().zip(rows) {
-            let want = want["perplexity"].as_f64().unwrap();
+        let ours = evaluate(&p.model, &g.token_ids(&p), &g.options(), |_, _| {}).unwrap();
+        for (o, want) in ours.iter().zip(&g.rows) {
+            let want = want.perplexity;
             let rel = o.perplexity / want - 1.0;
             eprintln!(
                 "{name}: k={} q8 perplexity {:.4}, mlx-lm {want:.4} ({rel:+.2e})",

@@ -7,8 +7,9 @@ mod common;
 
 use std::path::Path;
 
+use common::{EvalGolden, TRAINED_TARGETS};
 use serde::Deserialize;
-use sluice_runtime::eval::{evaluate, EvalOptions};
+use sluice_runtime::eval::evaluate;
 use sluice_runtime::{GenerateParams, Pipeline, Prompt};
 
 #[derive(Deserialize)]
@@ -23,29 +24,7 @@ struct DemoGolden {
     demo: Demo,
 }
 
-#[derive(Deserialize)]
-struct EvalRow {
-    top_k: usize,
-    perplexity: f64,
-}
-
-#[derive(Deserialize)]
-struct Bigram {
-    interpolated_eval_windows: f64,
-    add_one_eval_windows: f64,
-}
-
-#[derive(Deserialize)]
-struct EvalGolden {
-    text: String,
-    ctx: usize,
-    windows: usize,
-    rows: Vec<EvalRow>,
-    bigram: Bigram,
-}
-
 const TRAINED: [&str; 3] = ["brown-qwen3_moe-q4g64", "brown-qwen3_moe-q8g32", "brown-qwen3-q4g64"];
-const TARGETS: [&str; 2] = ["brown-qwen3_moe-q4g64", "brown-qwen3_moe-q8g32"];
 
 fn read<T: for<'de> Deserialize<'de>>(path: &Path) -> T {
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
@@ -78,19 +57,12 @@ fn demo_text_matches_mlx_lm() {
 
 #[test]
 fn eval_perplexity_matches_mlx_lm_at_each_top_k() {
-    for name in TARGETS {
+    for name in TRAINED_TARGETS {
         let dir = common::fixture(name);
-        let g: EvalGolden = read(&dir.join("eval.json"));
+        let g = EvalGolden::load(&dir);
         let p = Pipeline::load(&dir).unwrap();
-        let text = std::fs::read_to_string(common::fixture(&g.text)).unwrap();
-        let ids = p.tokenize(&Prompt::Raw(text)).unwrap();
         let own = p.model.info.default_top_k;
-        let opts = EvalOptions {
-            ctx: g.ctx,
-            top_ks: g.rows.iter().map(|r| r.top_k).collect(),
-            max_windows: Some(g.windows),
-        };
-        let rows = evaluate(&p.model, &ids, &opts, |_, _| {}).unwrap();
+        let rows = evaluate(&p.model, &g.token_ids(&p), &g.options(), |_, _| {}).unwrap();
         for (ours, want) in rows.iter().zip(&g.rows) {
             let rel = (ours.perplexity / want.perplexity - 1.0).abs();
             eprintln!(
