@@ -5,12 +5,12 @@ use std::sync::Arc;
 
 use expert_store::{
     Checkpoint, EngineOptions, ExpertSource, InMemoryExpertSource, MmapExpertSource, PackedStore, RecordTable,
-    StackedExperts, StreamingSource,
+    StackedExperts, StoreError, StreamingSource,
 };
 
 use crate::error::{ModelError, Result};
 use crate::memory_plan::{ExpertPlacement, MachineMemory, MemoryPlan, ModelFootprint, PlanRequest};
-use crate::options::{ExpertMode, ExpertOptions};
+use crate::options::{ExpertMode, ExpertOptions, IoMode};
 
 /// Builds the expert source for `stacks` per `opts`, with the memory plan that sized it. `footprint` holds
 /// the model's KV and state sizes; its weight sizes are filled in here from the checkpoint.
@@ -42,7 +42,10 @@ pub(crate) fn open_source(
     if stacks.is_empty() {
         return Ok((Arc::new(InMemoryExpertSource::new()), plan_for(footprint)));
     }
-    let table = match store {
+    // The read mode is decided on the checkpoint's sizes (the table's reads depend on it); the plan is then
+    // redone on what the reads cost and keeps that decision.
+    let direct = plan_for(footprint).direct_io;
+    let (table, direct) = match store {
         Some(s) => {
             if opts.mode == ExpertMode::Mmap {
                 return Err(ModelError::InvalidArgument(
@@ -50,16 +53,19 @@ pub(crate) fn open_source(
                 ));
             }
             s.check_against(ckpt, stacks)?;
-            s.table(opts.direct_io)?
+            open_table(|d| s.table(d), direct, opts.io)?
         }
         None if opts.mode == ExpertMode::Mmap => {
             return Ok((Arc::new(MmapExpertSource::new(ckpt, stacks)?), plan_for(footprint)))
         }
-        None => RecordTable::in_place(ckpt, stacks, opts.direct_io)?,
+        None => open_table(|d| RecordTable::in_place(ckpt, stacks, d), direct, opts.io)?,
     };
     // What the reads cost (packed records are padded): the bytes the slots must hold.
     footprint.expert_bytes = table.total_read_bytes();
-    let plan = plan_for(footprint);
+    let plan = MemoryPlan {
+        direct_io: direct,
+        ..plan_for(footprint)
+    };
     let preload = plan.placement == ExpertPlacement::Resident;
     let cache_bytes = if preload {
         table.len() as u64 * (table.max_slot_len().next_multiple_of(expert_store::SLOT_ALIGN) as u64)
@@ -86,6 +92,22 @@ pub(crate) fn open_source(
         engine.preload()?;
     }
     Ok((Arc::new(engine), plan))
+}
+
+/// The record table, read directly when `direct`; under `--io auto` a filesystem that refuses direct reads
+/// (some network and in-memory ones) gets buffered reads instead. Returns whether reads are direct.
+fn open_table(
+    open: impl Fn(bool) -> std::result::Result<RecordTable, StoreError>,
+    direct: bool,
+    io: IoMode,
+) -> Result<(RecordTable, bool)> {
+    match open(direct) {
+        Err(e) if direct && io == IoMode::Auto => {
+            tracing::warn!("direct reads refused ({e}); reading experts through the page cache");
+            Ok((open(false)?, false))
+        }
+        r => Ok((r?, direct)),
+    }
 }
 
 /// Bytes of the largest expert record: as packed (padded) when a store serves the experts, else the sum of

@@ -37,7 +37,7 @@ pub use memory_plan::MemoryPlan;
 pub use model::{DecoderModel, ForwardOptions, ModelInfo, PrefetchMode, SeqRequest};
 pub use models::{load_model, load_model_with, supported_model_types};
 pub use moe::RouterKind;
-pub use options::{parse_size, BackendKind, ExpertMode, ExpertOptions};
+pub use options::{parse_size, BackendKind, ExpertMode, ExpertOptions, IoMode};
 pub use profile::{Part, StepProfile};
 pub use sampling::SamplingParams;
 pub use sequence::{CacheCheckpoint, KvCache};

@@ -31,6 +31,31 @@ impl std::str::FromStr for ExpertMode {
     }
 }
 
+/// How streamed expert records are read from disk.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum IoMode {
+    /// The memory plan decides: direct when the slot cache takes most of the room (the page cache would
+    /// only duplicate it), buffered when the page cache keeps at least as much room as the slots.
+    #[default]
+    Auto,
+    /// Bypass the OS page cache (O_DIRECT on Linux, F_NOCACHE on macOS).
+    Direct,
+    /// Through the OS page cache, which becomes a second cache tier.
+    Buffered,
+}
+
+impl std::str::FromStr for IoMode {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "direct" => Ok(Self::Direct),
+            "buffered" => Ok(Self::Buffered),
+            _ => Err(format!("unknown I/O mode `{s}` (auto, direct, buffered)")),
+        }
+    }
+}
+
 /// Settings for serving experts.
 #[derive(Debug, Clone)]
 pub struct ExpertOptions {
@@ -40,8 +65,8 @@ pub struct ExpertOptions {
     pub cache_bytes: Option<u64>,
     /// Reads in flight at once.
     pub io_depth: usize,
-    /// Bypass the page cache (O_DIRECT / F_NOCACHE).
-    pub direct_io: bool,
+    /// How records are read (the plan resolves `Auto`; see [`crate::MemoryPlan::direct_io`]).
+    pub io: IoMode,
     /// Check packed records' checksums on every read.
     pub verify: bool,
     /// Speculative reads during decode.
@@ -92,7 +117,7 @@ impl Default for ExpertOptions {
             mode: ExpertMode::Auto,
             cache_bytes: None,
             io_depth: 8,
-            direct_io: false,
+            io: IoMode::Auto,
             verify: true,
             prefetch: PrefetchMode::None,
             backend: BackendKind::default_for_build(),

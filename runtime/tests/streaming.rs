@@ -14,8 +14,8 @@ use expert_store::{EngineOptions, ExpertSource, PackedStore, PosixFile, ReadAt, 
 use sluice_runtime::config::ModelConfig;
 use sluice_runtime::sampling::argmax;
 use sluice_runtime::{
-    convert_model, load_model_with, DecoderModel, ExpertMode, ExpertOptions, ForwardOptions, GenerateParams, Pipeline,
-    PrefetchMode, Prompt,
+    convert_model, load_model_with, DecoderModel, ExpertMode, ExpertOptions, ForwardOptions, GenerateParams, IoMode,
+    Pipeline, PrefetchMode, Prompt,
 };
 
 fn load(path: &Path, opts: &ExpertOptions) -> DecoderModel {
@@ -63,7 +63,7 @@ fn stream(cache_bytes: u64, io_depth: usize, prefetch: PrefetchMode, direct_io: 
         mode: ExpertMode::Stream,
         cache_bytes: Some(cache_bytes),
         io_depth,
-        direct_io,
+        io: if direct_io { IoMode::Direct } else { IoMode::Buffered },
         verify: true,
         prefetch,
         ..ExpertOptions::default()

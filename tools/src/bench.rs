@@ -196,7 +196,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         expert_bytes_per_token: record_bytes * (top_k * moe_layers) as u64,
         cache_slots: slots,
         io_depth: opts.io_depth,
-        direct_io: opts.direct_io,
+        direct_io: m.memory_plan.direct_io,
         prefetch: format!("{:?}", opts.prefetch),
         threads: rayon::current_num_threads(),
         load_seconds,

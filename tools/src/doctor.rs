@@ -117,7 +117,7 @@ pub fn run(a: DoctorArgs) -> Result<()> {
     };
     // The OS page cache holds expert records too, unless reads bypass it: what the plan leaves free.
     let used = size.resident_bytes + plan.expert_cache + plan.kv_per_sequence + plan.margin;
-    let page_cache = if plan.placement == ExpertPlacement::Resident || opts.direct_io {
+    let page_cache = if plan.placement == ExpertPlacement::Resident || plan.direct_io {
         0
     } else {
         plan.limit

@@ -6,7 +6,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use expert_store::PackedStore;
 use indicatif::{ProgressBar, ProgressStyle};
-use sluice_runtime::{convert_model, BackendKind, ExpertMode, ExpertOptions, PrefetchMode};
+use sluice_runtime::{convert_model, BackendKind, ExpertMode, ExpertOptions, IoMode, PrefetchMode};
 
 /// Flags that choose how experts are served (generate, bench, serve).
 #[derive(Args, Clone, Debug)]
@@ -22,8 +22,13 @@ pub struct EngineArgs {
     /// Expert reads in flight at once (I/O threads).
     #[arg(long, default_value_t = 8, env = "SLUICE_IO_DEPTH")]
     pub io_depth: usize,
-    /// Bypass the OS page cache for expert reads (O_DIRECT on Linux, F_NOCACHE on macOS).
-    #[arg(long, env = "SLUICE_DIRECT_IO")]
+    /// How streamed expert records are read: `auto` (direct when the slot cache takes at least half the
+    /// memory left for experts, as the default cache does; through the page cache when a smaller
+    /// --expert-cache leaves it more room), `direct` (O_DIRECT on Linux, F_NOCACHE on macOS) or `buffered`.
+    #[arg(long, default_value = "auto", env = "SLUICE_IO")]
+    pub io: IoMode,
+    /// Same as `--io direct`.
+    #[arg(long, env = "SLUICE_DIRECT_IO", conflicts_with = "io")]
     pub direct_io: bool,
     /// Skip the checksum check of each packed record read from disk.
     #[arg(long, env = "SLUICE_NO_VERIFY")]
@@ -69,7 +74,7 @@ impl EngineArgs {
             mode,
             cache_bytes: self.expert_cache,
             io_depth: self.io_depth,
-            direct_io: self.direct_io,
+            io: if self.direct_io { IoMode::Direct } else { self.io },
             verify: !self.no_verify,
             prefetch: self.prefetch,
             backend: self.backend.unwrap_or_else(BackendKind::default_for_build),
