@@ -1,5 +1,5 @@
 //! The int8-activation kernels (`--kernels q8`), in their own process because they are switched on
-//! process-wide: every matmul shape and token count against the oracle, and every fixture's logits against
+//! process-wide: every matmul shape and token count against the oracle (and a batch against its tokens alone), and every fixture's logits against
 //! mlx-lm within the activation-rounding tolerance.
 
 mod common;
@@ -27,6 +27,10 @@ fn matmul_matches_the_int8_oracle_for_every_shape() {
         (8, 64, 1, 128, 3),
         (4, 64, 1, 256, 2),
         (4, 64, 4, 128, 1),
+        // Four tokens per pass in the 4-bit AVX-512 kernel, with remainders taken one at a time.
+        (4, 64, 37, 256, 9),
+        (4, 32, 6, 384, 4),
+        (4, 128, 3, 512, 6),
     ] {
         let gpr = cols / group;
         let codes: Vec<u32> = (0..rows * cols).map(|_| rng.gen_range(0..(1u32 << bits))).collect();
@@ -52,6 +56,17 @@ fn matmul_matches_the_int8_oracle_for_every_shape() {
             w.matmul(isa, &x, n, &mut y);
             for t in 0..n {
                 let xt = &x[t * cols..(t + 1) * cols];
+                // A token's result does not depend on the others in the call, bit for bit.
+                let mut one = vec![0f32; rows];
+                w.matmul(isa, xt, 1, &mut one);
+                assert_eq!(
+                    one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    y[t * rows..(t + 1) * rows]
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect::<Vec<_>>(),
+                    "{isa:?} bits {bits} g{group} token {t} of {n}: batched differs from alone"
+                );
                 let mut xq = vec![0i8; cols];
                 let d: Vec<f32> = (xt.chunks(BLOCK).zip(xq.chunks_mut(BLOCK)))
                     .map(|(xb, qb)| quantize_block(xb, qb))

@@ -489,23 +489,25 @@ fn q8_task(
         q.scale_type.to_f32(q.biases, first * gpr, &mut biases);
     }
     let lanes = cols / k.lane_cols();
-    let mut out = vec![0f32; rows];
-    for t in 0..n {
+    // Four tokens per pass where the kernel takes them (prefill): each row's codes are read once for all four.
+    let mut t = 0;
+    while t < n {
+        let tokens = if n - t >= 4 { 4 } else { 1 };
         let args = x86::Q8RowsArgs {
             packed: &q.packed[first * row_bytes..(first + rows) * row_bytes],
             row_bytes,
             rows,
-            xq: &acts.xq[t * cols..(t + 1) * cols],
-            lane_d: &acts.lane_d[t * lanes..(t + 1) * lanes],
+            tokens,
+            cols,
+            xq: &acts.xq[t * cols..(t + tokens) * cols],
+            lane_d: &acts.lane_d[t * lanes..(t + tokens) * lanes],
             scales: &scales,
             biases: &biases,
-            xsum: &c.xsum[t * gpr..(t + 1) * gpr],
+            xsum: &c.xsum[t * gpr..(t + tokens) * gpr],
             group: q.group,
         };
-        x86::q8_rows(k, &args, &raw, &mut out);
-        for (r, v) in out.iter().enumerate() {
-            chunk[r * n + t] = *v;
-        }
+        x86::q8_rows(k, &args, &raw, &mut chunk[t..], n);
+        t += tokens;
     }
 }
 

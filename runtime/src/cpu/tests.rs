@@ -268,6 +268,8 @@ mod q8_kernels {
                 packed: &packed,
                 row_bytes: packed.len(),
                 rows: 1,
+                tokens: 1,
+                cols,
                 xq: &acts.xq,
                 lane_d: &acts.lane_d,
                 scales: &scales,
@@ -282,7 +284,7 @@ mod q8_kernels {
                 size: st.size(),
             };
             let mut out = [0f32];
-            x86::q8_rows(k, &args, &raw, &mut out);
+            x86::q8_rows(k, &args, &raw, &mut out, 1);
             let got = out[0];
             assert!(
                 (got - want).abs() <= 1e-5 * mag + 1e-5,

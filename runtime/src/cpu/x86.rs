@@ -201,7 +201,7 @@ unsafe fn fused_q4_avx512(a: &RowArgs<'_>) -> f32 {
     let mut acc = _mm512_setzero_ps();
     for g in 0..a.xp.len() / a.group {
         let (mut p0, mut p1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-        _mm_prefetch::<_MM_HINT_T0>(pp.add(g * a.group / 2 + PREFETCH_AHEAD) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(pp.wrapping_add(g * a.group / 2 + PREFETCH_AHEAD) as *const i8);
         for off in (g * a.group..(g + 1) * a.group).step_by(32) {
             let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(pp.add(off / 2) as *const __m128i));
             let lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, mask));
@@ -288,7 +288,7 @@ unsafe fn q4_block<const R: usize, const T: usize>(b: &Q4Block<'_>, r0: usize, t
         let mut p0 = [[_mm512_setzero_ps(); T]; R];
         let mut p1 = [[_mm512_setzero_ps(); T]; R];
         for p in pp {
-            _mm_prefetch::<_MM_HINT_T0>(p.add(g * b.group / 2 + PREFETCH_AHEAD) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(g * b.group / 2 + PREFETCH_AHEAD) as *const i8);
         }
         for off in (g * b.group..(g + 1) * b.group).step_by(32) {
             for i in 0..R {
@@ -330,7 +330,7 @@ unsafe fn fused_q8_avx512(a: &RowArgs<'_>) -> f32 {
     let mut acc = _mm512_setzero_ps();
     for g in 0..a.xp.len() / a.group {
         let (mut p0, mut p1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-        _mm_prefetch::<_MM_HINT_T0>(pp.add(g * a.group + PREFETCH_AHEAD) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(pp.wrapping_add(g * a.group + PREFETCH_AHEAD) as *const i8);
         for off in (g * a.group..(g + 1) * a.group).step_by(32) {
             let v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(pp.add(off) as *const __m128i));
             let v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(pp.add(off + 16) as *const __m128i));
@@ -356,7 +356,7 @@ unsafe fn fused_q4_avx2(a: &RowArgs<'_>) -> f32 {
     let mut acc = _mm256_setzero_ps();
     for g in 0..a.xp.len() / a.group {
         let mut p = [_mm256_setzero_ps(); 4];
-        _mm_prefetch::<_MM_HINT_T0>(pp.add(g * a.group / 2 + PREFETCH_AHEAD) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(pp.wrapping_add(g * a.group / 2 + PREFETCH_AHEAD) as *const i8);
         for (i, off) in (g * a.group..(g + 1) * a.group).step_by(16).enumerate() {
             let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(pp.add(off / 2) as *const __m128i));
             let lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask));
@@ -377,7 +377,7 @@ unsafe fn fused_q8_avx2(a: &RowArgs<'_>) -> f32 {
     let mut acc = _mm256_setzero_ps();
     for g in 0..a.xp.len() / a.group {
         let mut p = [_mm256_setzero_ps(); 4];
-        _mm_prefetch::<_MM_HINT_T0>(pp.add(g * a.group + PREFETCH_AHEAD) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(pp.wrapping_add(g * a.group + PREFETCH_AHEAD) as *const i8);
         for (i, off) in (g * a.group..(g + 1) * a.group).step_by(8).enumerate() {
             let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(pp.add(off) as *const __m128i));
             p[i & 3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_loadu_ps(xp.add(off)), p[i & 3]);
@@ -388,13 +388,17 @@ unsafe fn fused_q8_avx2(a: &RowArgs<'_>) -> f32 {
     hsum256(acc) + bias_term(a)
 }
 
-/// Rows of an int8-activation kernel against one token: `rows` packed rows of `row_bytes` each, the token's
-/// quantized activations in the kernel's order with per-lane block scales and group sums, and the rows'
-/// scales (`rows·groups` values plus 16 readable padding) and biases (`rows·groups`) as f32.
+/// Rows of an int8-activation kernel against `tokens` tokens: `rows` packed rows of `row_bytes` each, the
+/// tokens' quantized activations (`cols` each, back to back) in the kernel's order with per-lane block scales
+/// and group sums, and the rows' scales (`rows·groups` values plus 16 readable padding) and biases
+/// (`rows·groups`) as f32.
+#[derive(Clone, Copy)]
 pub(super) struct Q8RowsArgs<'a> {
     pub packed: &'a [u8],
     pub row_bytes: usize,
     pub rows: usize,
+    pub tokens: usize,
+    pub cols: usize,
     pub xq: &'a [i8],
     pub lane_d: &'a [f32],
     pub scales: &'a [f32],
@@ -411,11 +415,20 @@ pub(super) struct RawScales<'a> {
     pub size: usize,
 }
 
-/// `out[r] = Σ scale·d·(q·xq) + Σ bias·Σx` for each row, with integer dot products. AVX-512 kernels read
-/// scales and biases from `raw`; the AVX2 kernel from the f32 `a.scales`/`a.biases`.
-pub(super) fn q8_rows(k: super::q8::Q8Kernel, a: &Q8RowsArgs<'_>, raw: &RawScales<'_>, out: &mut [f32]) {
-    let cols = a.xq.len();
+/// `out[r·ostride + t] = Σ scale·d·(q·xq) + Σ bias·Σx` for each row `r` and token `t`, with integer dot
+/// products. AVX-512 kernels read scales and biases from `raw`; the AVX2 kernel from the f32
+/// `a.scales`/`a.biases`. The 4-bit AVX-512 kernel takes up to four tokens per pass over the rows (each
+/// code load serves every token); the others run one token at a time. A token's result is the same either way.
+pub(super) fn q8_rows(
+    k: super::q8::Q8Kernel,
+    a: &Q8RowsArgs<'_>,
+    raw: &RawScales<'_>,
+    out: &mut [f32],
+    ostride: usize,
+) {
+    let cols = a.cols;
     let groups = cols / a.group;
+    let lanes = cols / k.lane_cols();
     assert!(
         cols.is_multiple_of(k.chunk()) && a.group.is_multiple_of(32) && a.group <= 128,
         "kernel shape"
@@ -424,11 +437,15 @@ pub(super) fn q8_rows(k: super::q8::Q8Kernel, a: &Q8RowsArgs<'_>, raw: &RawScale
         a.row_bytes * 8 >= cols * k.bits as usize && a.packed.len() >= a.rows * a.row_bytes,
         "row bounds"
     );
+    assert!((1..=4).contains(&a.tokens) && ostride >= a.tokens, "token count");
     assert!(
-        a.lane_d.len() >= cols / k.lane_cols() && a.xsum.len() >= groups,
+        a.xq.len() >= a.tokens * cols && a.lane_d.len() >= a.tokens * lanes && a.xsum.len() >= a.tokens * groups,
         "activation bounds"
     );
-    assert!(out.len() >= a.rows, "output bounds");
+    assert!(
+        a.rows == 0 || out.len() >= (a.rows - 1) * ostride + a.tokens,
+        "output bounds"
+    );
     if k.avx512 {
         assert!(raw.size == raw.ty.size(), "scale type");
         assert!(raw.scales.len() >= a.rows * groups * raw.size && raw.biases.len() >= a.rows * groups * raw.size);
@@ -438,21 +455,39 @@ pub(super) fn q8_rows(k: super::q8::Q8Kernel, a: &Q8RowsArgs<'_>, raw: &RawScale
             "group bounds"
         );
     }
+    // The 4-bit AVX-512 kernel takes one or four tokens per pass; everything else one at a time.
+    if a.tokens > 1 && !(k.bits == 4 && k.avx512 && a.tokens == 4) {
+        for t in 0..a.tokens {
+            let one = Q8RowsArgs {
+                tokens: 1,
+                xq: &a.xq[t * cols..],
+                lane_d: &a.lane_d[t * lanes..],
+                xsum: &a.xsum[t * groups..],
+                ..*a
+            };
+            q8_rows(k, &one, raw, &mut out[t..], ostride);
+        }
+        return;
+    }
     use super::FloatType as F;
     // SAFETY: the kernel was chosen by `Q8Kernel::for_matrix`, which requires AVX2+FMA (selected ISA) and,
     // for `avx512`, AVX-512 F/BW/VL/VNNI detected at run time; the asserts bound every read: codes
-    // (rows·row_bytes, cols·bits/8 per row), activations (cols), lane scales (cols/lane_cols), scales and
-    // biases (rows·groups values; AVX-512 loads are masked to the values needed, AVX2 reads 8-wide from the
-    // f32 copy padded by 16). Prefetches past the end never fault.
+    // (rows·row_bytes, cols·bits/8 per row), activations (tokens·cols), lane scales (tokens·cols/lane_cols),
+    // scales and biases (rows·groups values; AVX-512 loads are masked to the values needed, AVX2 reads 8-wide
+    // from the f32 copy padded by 16), and every write (row r, token t at r·ostride + t). Prefetches past the
+    // end never fault.
     unsafe {
-        match (k.bits, k.avx512, raw.ty) {
-            (4, true, F::F32) => q4_vnni_raw::<TY_F32>(a, raw, out),
-            (4, true, F::F16) => q4_vnni_raw::<TY_F16>(a, raw, out),
-            (4, true, F::BF16) => q4_vnni_raw::<TY_BF16>(a, raw, out),
-            (4, false, _) => q4_maddubs(a, out),
-            (_, _, F::F32) => q8_vnni_raw::<TY_F32>(a, raw, out),
-            (_, _, F::F16) => q8_vnni_raw::<TY_F16>(a, raw, out),
-            (_, _, F::BF16) => q8_vnni_raw::<TY_BF16>(a, raw, out),
+        match (k.bits, k.avx512, raw.ty, a.tokens) {
+            (4, true, F::F32, 4) => q4_vnni_raw::<TY_F32, 4>(a, raw, out, ostride),
+            (4, true, F::F16, 4) => q4_vnni_raw::<TY_F16, 4>(a, raw, out, ostride),
+            (4, true, F::BF16, 4) => q4_vnni_raw::<TY_BF16, 4>(a, raw, out, ostride),
+            (4, true, F::F32, _) => q4_vnni_raw::<TY_F32, 1>(a, raw, out, ostride),
+            (4, true, F::F16, _) => q4_vnni_raw::<TY_F16, 1>(a, raw, out, ostride),
+            (4, true, F::BF16, _) => q4_vnni_raw::<TY_BF16, 1>(a, raw, out, ostride),
+            (4, false, _, _) => q4_maddubs(a, out, ostride),
+            (_, _, F::F32, _) => q8_vnni_raw::<TY_F32>(a, raw, out, ostride),
+            (_, _, F::F16, _) => q8_vnni_raw::<TY_F16>(a, raw, out, ostride),
+            (_, _, F::BF16, _) => q8_vnni_raw::<TY_BF16>(a, raw, out, ostride),
         }
     }
 }
@@ -514,11 +549,18 @@ unsafe fn bias_dot_raw<const TY: u8>(b: *const u8, xsum: *const f32, groups: usi
     _mm512_reduce_add_ps(acc)
 }
 
-/// The AVX-512 4-bit kernel reading scales and biases in their stored type (no conversion pass).
+/// The AVX-512 4-bit kernel reading scales and biases in their stored type (no conversion pass), against
+/// `T` tokens at once: each row's codes and scales are loaded and unpacked once for all of them. Every
+/// (row, token) result takes the same operations in the same order whatever `T` is.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn q4_vnni_raw<const TY: u8>(a: &Q8RowsArgs<'_>, raw: &RawScales<'_>, out: &mut [f32]) {
-    let (xq, ld) = (a.xq.as_ptr(), a.lane_d.as_ptr());
-    let groups = a.xq.len() / a.group;
+unsafe fn q4_vnni_raw<const TY: u8, const T: usize>(
+    a: &Q8RowsArgs<'_>,
+    raw: &RawScales<'_>,
+    out: &mut [f32],
+    ostride: usize,
+) {
+    let (xq, ld, cols) = (a.xq.as_ptr(), a.lane_d.as_ptr(), a.cols);
+    let groups = cols / a.group;
     let size = raw.size;
     let m = _mm512_set1_epi8(0x0f);
     let idx = _mm512_loadu_si512(group_lanes::<16>(8, a.group).as_ptr() as *const _);
@@ -528,31 +570,38 @@ unsafe fn q4_vnni_raw<const TY: u8>(a: &Q8RowsArgs<'_>, raw: &RawScales<'_>, out
     const ROWS: usize = 2;
     let mut r = 0;
     while r < a.rows {
+        // The block's rows are contiguous: prefetch the bytes PREFETCH_AHEAD past them in address order, as
+        // fast as the rows consume theirs. (Prefetching each row's own stream ahead instead was 30% slower
+        // from DRAM: the hardware prefetcher follows one linear stream better than interleaved ones.)
+        let ahead = a.packed.as_ptr().wrapping_add(r * a.row_bytes + PREFETCH_AHEAD);
         let rs: [usize; ROWS] = std::array::from_fn(|j| (r + j).min(a.rows - 1));
         let pp: [*const u8; ROWS] = std::array::from_fn(|j| a.packed.as_ptr().add(rs[j] * a.row_bytes));
         let sp: [*const u8; ROWS] = std::array::from_fn(|j| raw.scales.as_ptr().add(rs[j] * groups * size));
-        let mut acc = [_mm512_setzero_ps(); ROWS];
-        for c in 0..a.xq.len() / 128 {
-            let xe = _mm512_loadu_si512(xq.add(128 * c) as *const _);
-            let xo = _mm512_loadu_si512(xq.add(128 * c + 64) as *const _);
-            let d = _mm512_loadu_ps(ld.add(16 * c));
+        let mut acc = [[_mm512_setzero_ps(); T]; ROWS];
+        for c in 0..cols / 128 {
             for j in 0..ROWS {
                 // Keep more lines in flight than the hardware prefetcher does for this access pattern.
-                _mm_prefetch::<_MM_HINT_T0>(pp[j].add(64 * c + PREFETCH_AHEAD) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * (c * ROWS + j)) as *const i8);
                 let v = _mm512_loadu_si512(pp[j].add(64 * c) as *const _);
-                let i = _mm512_dpbusd_epi32(
-                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, m), xe),
-                    _mm512_and_si512(_mm512_srli_epi32::<4>(v), m),
-                    xo,
-                );
+                let (lo, hi) = (_mm512_and_si512(v, m), _mm512_and_si512(_mm512_srli_epi32::<4>(v), m));
                 let s = _mm512_permutexvar_ps(idx, load_scales::<TY>(sp[j].add(step * c * size), step));
-                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(d, s), acc[j]);
+                for (t, acc) in acc[j].iter_mut().enumerate() {
+                    let x = xq.add(t * cols + 128 * c);
+                    let xe = _mm512_loadu_si512(x as *const _);
+                    let xo = _mm512_loadu_si512(x.add(64) as *const _);
+                    let d = _mm512_loadu_ps(ld.add(t * cols / 8 + 16 * c));
+                    let i = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe), hi, xo);
+                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(d, s), *acc);
+                }
             }
         }
         let b = raw.biases.as_ptr();
         for j in 0..ROWS.min(a.rows - r) {
-            let bias = bias_dot_raw::<TY>(b.add(rs[j] * groups * size), a.xsum.as_ptr(), groups, size);
-            out[r + j] = _mm512_reduce_add_ps(acc[j]) + bias;
+            for (t, acc) in acc[j].iter().enumerate() {
+                let xsum = a.xsum.as_ptr().add(t * groups);
+                let bias = bias_dot_raw::<TY>(b.add(rs[j] * groups * size), xsum, groups, size);
+                *out.get_unchecked_mut((r + j) * ostride + t) = _mm512_reduce_add_ps(*acc) + bias;
+            }
         }
         r += ROWS;
     }
@@ -560,17 +609,18 @@ unsafe fn q4_vnni_raw<const TY: u8>(a: &Q8RowsArgs<'_>, raw: &RawScales<'_>, out
 
 /// The AVX-512 8-bit kernel reading scales and biases in their stored type.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn q8_vnni_raw<const TY: u8>(a: &Q8RowsArgs<'_>, raw: &RawScales<'_>, out: &mut [f32]) {
+unsafe fn q8_vnni_raw<const TY: u8>(a: &Q8RowsArgs<'_>, raw: &RawScales<'_>, out: &mut [f32], ostride: usize) {
     let (xq, ld) = (a.xq.as_ptr(), a.lane_d.as_ptr());
-    let groups = a.xq.len() / a.group;
+    let groups = a.cols / a.group;
     let size = raw.size;
     let idx = _mm512_loadu_si512(group_lanes::<16>(4, a.group).as_ptr() as *const _);
-    for (r, o) in out.iter_mut().enumerate().take(a.rows) {
+    for r in 0..a.rows {
+        let o = out.get_unchecked_mut(r * ostride);
         let pp = a.packed.as_ptr().add(r * a.row_bytes);
         let sc = raw.scales.as_ptr().add(r * groups * size);
         let mut acc = _mm512_setzero_ps();
-        for c in 0..a.xq.len() / 64 {
-            _mm_prefetch::<_MM_HINT_T0>(pp.add(64 * c + PREFETCH_AHEAD) as *const i8);
+        for c in 0..a.cols / 64 {
+            _mm_prefetch::<_MM_HINT_T0>(pp.wrapping_add(64 * c + PREFETCH_AHEAD) as *const i8);
             let v = _mm512_loadu_si512(pp.add(64 * c) as *const _);
             let x = _mm512_loadu_si512(xq.add(64 * c) as *const _);
             let i = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, x);
@@ -591,17 +641,18 @@ unsafe fn q8_vnni_raw<const TY: u8>(a: &Q8RowsArgs<'_>, raw: &RawScales<'_>, out
 }
 
 #[target_feature(enable = "avx2,fma")]
-unsafe fn q4_maddubs(a: &Q8RowsArgs<'_>, out: &mut [f32]) {
+unsafe fn q4_maddubs(a: &Q8RowsArgs<'_>, out: &mut [f32], ostride: usize) {
     let (xq, ld) = (a.xq.as_ptr(), a.lane_d.as_ptr());
-    let groups = a.xq.len() / a.group;
+    let groups = a.cols / a.group;
     let m = _mm256_set1_epi8(0x0f);
     let ones = _mm256_set1_epi16(1);
     let idx = _mm256_loadu_si256(group_lanes::<8>(8, a.group).as_ptr() as *const _);
-    for (r, o) in out.iter_mut().enumerate().take(a.rows) {
+    for r in 0..a.rows {
+        let o = out.get_unchecked_mut(r * ostride);
         let pp = a.packed.as_ptr().add(r * a.row_bytes);
         let sc = a.scales.as_ptr().add(r * groups);
         let mut acc = _mm256_setzero_ps();
-        for c in 0..a.xq.len() / 64 {
+        for c in 0..a.cols / 64 {
             let v = _mm256_loadu_si256(pp.add(32 * c) as *const _);
             let lo = _mm256_and_si256(v, m);
             let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m);
