@@ -340,9 +340,12 @@ impl Inner {
                 q.in_flight -= 1;
                 if q.in_flight == 0 {
                     if let Some(t) = q.active_since.take() {
+                        // Active until the read ended, not until this lock was taken: a busy machine can keep
+                        // a worker waiting for the lock far longer than the read took.
+                        let active = (started + took).saturating_duration_since(t);
                         self.counters
                             .read_active_ns
-                            .fetch_add(t.elapsed().as_nanos() as u64, Relaxed);
+                            .fetch_add(active.as_nanos() as u64, Relaxed);
                     }
                 }
             }
