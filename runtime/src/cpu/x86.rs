@@ -549,6 +549,20 @@ unsafe fn bias_dot_raw<const TY: u8>(b: *const u8, xsum: *const f32, groups: usi
     _mm512_reduce_add_ps(acc)
 }
 
+/// The block of `ROWS` rows from `r` that the 4-bit int8 kernels take per pass: each row's index (a short last
+/// block repeats its final row, computed twice and stored once), its codes, and where the block's prefetch
+/// stream starts. The block's rows are contiguous, so the kernels prefetch the bytes `PREFETCH_AHEAD` past
+/// them in address order, as fast as the rows consume theirs: prefetching each row's own stream instead was
+/// 30% slower from DRAM (the hardware prefetcher follows one linear stream better than interleaved ones).
+///
+/// Safety: `r < a.rows` and `a.packed` holds `a.rows · a.row_bytes` bytes.
+#[inline(always)]
+unsafe fn row_block<const ROWS: usize>(a: &Q8RowsArgs<'_>, r: usize) -> ([usize; ROWS], [*const u8; ROWS], *const u8) {
+    let rs: [usize; ROWS] = std::array::from_fn(|j| (r + j).min(a.rows - 1));
+    let pp = std::array::from_fn(|j| a.packed.as_ptr().add(rs[j] * a.row_bytes));
+    (rs, pp, a.packed.as_ptr().wrapping_add(r * a.row_bytes + PREFETCH_AHEAD))
+}
+
 /// The AVX-512 4-bit kernel reading scales and biases in their stored type (no conversion pass), against
 /// `T` tokens at once: each row's codes and scales are loaded and unpacked once for all of them. Every
 /// (row, token) result takes the same operations in the same order whatever `T` is.
@@ -564,18 +578,13 @@ unsafe fn q4_vnni_raw<const TY: u8, const T: usize>(
     let size = raw.size;
     let m = _mm512_set1_epi8(0x0f);
     let idx = _mm512_loadu_si512(group_lanes::<16>(8, a.group).as_ptr() as *const _);
-    let step = 128 / a.group; // groups per 128-column step (group is 32, 64 or 128)
-                              // ROWS rows at a time: the activation loads are shared and the accumulator chains overlap. A short last
-                              // block repeats its final row (computed twice, stored once).
+    // Groups per 128-column step (group is 32, 64 or 128).
+    let step = 128 / a.group;
+    // ROWS rows at a time: the activation loads are shared and the accumulator chains overlap.
     const ROWS: usize = 2;
     let mut r = 0;
     while r < a.rows {
-        // The block's rows are contiguous: prefetch the bytes PREFETCH_AHEAD past them in address order, as
-        // fast as the rows consume theirs. (Prefetching each row's own stream ahead instead was 30% slower
-        // from DRAM: the hardware prefetcher follows one linear stream better than interleaved ones.)
-        let ahead = a.packed.as_ptr().wrapping_add(r * a.row_bytes + PREFETCH_AHEAD);
-        let rs: [usize; ROWS] = std::array::from_fn(|j| (r + j).min(a.rows - 1));
-        let pp: [*const u8; ROWS] = std::array::from_fn(|j| a.packed.as_ptr().add(rs[j] * a.row_bytes));
+        let (rs, pp, ahead) = row_block::<ROWS>(a, r);
         let sp: [*const u8; ROWS] = std::array::from_fn(|j| raw.scales.as_ptr().add(rs[j] * groups * size));
         let mut acc = [[_mm512_setzero_ps(); T]; ROWS];
         for c in 0..cols / 128 {
@@ -648,15 +657,12 @@ unsafe fn q4_maddubs(a: &Q8RowsArgs<'_>, out: &mut [f32], ostride: usize) {
     let m = _mm256_set1_epi8(0x0f);
     let ones = _mm256_set1_epi16(1);
     let idx = _mm256_loadu_si256(group_lanes::<8>(8, a.group).as_ptr() as *const _);
-    // Two rows per pass share the activation loads; a short last block repeats its final row.
+    // Two rows per pass share the activation loads.
     const ROWS: usize = 2;
     let mut r = 0;
     while r < a.rows {
-        // One linear prefetch stream over the block's contiguous rows (see `q4_vnni_raw`): the two rows
-        // consume 64 bytes per step between them.
-        let ahead = a.packed.as_ptr().wrapping_add(r * a.row_bytes + PREFETCH_AHEAD);
-        let rs: [usize; ROWS] = std::array::from_fn(|j| (r + j).min(a.rows - 1));
-        let pp: [*const u8; ROWS] = std::array::from_fn(|j| a.packed.as_ptr().add(rs[j] * a.row_bytes));
+        // The two rows consume 64 bytes per step between them: one prefetched line.
+        let (rs, pp, ahead) = row_block::<ROWS>(a, r);
         let sc: [*const f32; ROWS] = std::array::from_fn(|j| a.scales.as_ptr().add(rs[j] * groups));
         let mut acc = [_mm256_setzero_ps(); ROWS];
         for c in 0..a.cols / 64 {
