@@ -176,7 +176,8 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
             // Warm up on the first half, measure on the second.
             measure(m, "warmup", &stream[..per_run], a.prompt_tokens, top_k)?;
         }
-        runs.push(measure(m, "warm", &stream[per_run..], a.prompt_tokens, top_k)?);
+        let second = &stream[per_run..2 * per_run];
+        runs.push(measure(m, "warm", second, a.prompt_tokens, top_k)?);
     }
     let probe = Duration::from_secs_f64(a.probe_seconds.max(0.0));
     let disk_probe_gb_s = if probe.is_zero() {

@@ -16,7 +16,8 @@ pub struct EngineArgs {
     #[arg(long, default_value = "auto", env = "SLUICE_EXPERTS")]
     pub experts: ExpertMode,
     /// Budget of the expert slot cache when streaming: bytes or a size like 512M, 1MB, 4GiB
-    /// (default: an eighth of available memory; the OS page cache is the second tier).
+    /// (default: all the memory left for experts once resident weights, KV, draft, prefix cache and a margin
+    /// are counted; `-v` prints that plan).
     #[arg(long, value_parser = sluice_runtime::parse_size, env = "SLUICE_EXPERT_CACHE")]
     pub expert_cache: Option<u64>,
     /// Expert reads in flight at once (I/O threads).
