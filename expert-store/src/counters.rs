@@ -91,6 +91,8 @@ pub struct StoreCounters {
     pub prefetch_wasted: AtomicU64,
     /// Bytes of those wasted prefetches.
     pub prefetch_wasted_bytes: AtomicU64,
+    /// Queued prefetches dropped unread because their layer was fetched without them.
+    pub prefetch_cancelled: AtomicU64,
     /// Time decode steps spent blocked on reads (nanoseconds).
     pub io_wait_ns: AtomicU64,
     /// Sum of the durations of all reads (nanoseconds).
@@ -115,6 +117,7 @@ impl StoreCounters {
             prefetch_hits: self.prefetch_hits.load(Relaxed),
             prefetch_wasted: self.prefetch_wasted.load(Relaxed),
             prefetch_wasted_bytes: self.prefetch_wasted_bytes.load(Relaxed),
+            prefetch_cancelled: self.prefetch_cancelled.load(Relaxed),
             io_wait_seconds: self.io_wait_ns.load(Relaxed) as f64 * 1e-9,
             read_busy_seconds: self.read_busy_ns.load(Relaxed) as f64 * 1e-9,
             read_active_seconds: self.read_active_ns.load(Relaxed) as f64 * 1e-9,
@@ -137,6 +140,7 @@ pub struct CounterSnapshot {
     pub prefetch_hits: u64,
     pub prefetch_wasted: u64,
     pub prefetch_wasted_bytes: u64,
+    pub prefetch_cancelled: u64,
     pub io_wait_seconds: f64,
     pub read_busy_seconds: f64,
     pub read_active_seconds: f64,
@@ -157,6 +161,7 @@ impl CounterSnapshot {
             prefetch_hits: self.prefetch_hits - earlier.prefetch_hits,
             prefetch_wasted: self.prefetch_wasted - earlier.prefetch_wasted,
             prefetch_wasted_bytes: self.prefetch_wasted_bytes - earlier.prefetch_wasted_bytes,
+            prefetch_cancelled: self.prefetch_cancelled - earlier.prefetch_cancelled,
             io_wait_seconds: self.io_wait_seconds - earlier.io_wait_seconds,
             read_busy_seconds: self.read_busy_seconds - earlier.read_busy_seconds,
             read_active_seconds: self.read_active_seconds - earlier.read_active_seconds,

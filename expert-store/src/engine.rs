@@ -6,6 +6,10 @@
 //!   (`Arc::get_mut` proves nobody else holds it); a slot whose record is still referenced by a
 //!   computation (an [`ExpertRecord`] clone keeps the `Arc` alive) is never chosen for eviction.
 //! - Demand reads are queued ahead of prefetches; a prefetch a step turns out to need is promoted.
+//! - Prefetches are read nearest layer first, counting forward (cyclically) from the layer last fetched: a
+//!   guess for the next layer goes before a guess for the one after, whatever order the guesses came in.
+//! - A layer's fetch cancels that layer's queued prefetches it did not ask for: the guess was wrong, and
+//!   reading it now would only delay the reads still useful.
 //! - Prefetches only take free slots or evict entries that are neither pinned nor unused prefetches.
 //! - A record has at most one entry and one read: an expert asked for twice in one fetch, or by two
 //!   fetches, shares the first request's read (a second read would replace the entry and lose a slot).
@@ -75,6 +79,25 @@ struct Queue {
     in_flight: usize,
     active_since: Option<Instant>,
     shutdown: bool,
+    /// The layer fetched last: prefetches are read in order of their layer's distance after it.
+    focus: usize,
+    /// One past the highest layer with records (the cycle of that distance).
+    layer_cycle: usize,
+}
+
+impl Queue {
+    /// The next read: demand first, else the prefetch of the nearest layer after the focus (oldest first).
+    fn pop(&mut self) -> Option<Job> {
+        if let Some(j) = self.demand.pop_front() {
+            return Some(j);
+        }
+        let (focus, cycle) = (self.focus, self.layer_cycle.max(1));
+        let distance = |j: &Job| (j.key.0 + cycle - focus % cycle) % cycle;
+        let best = (self.prefetch.iter().enumerate())
+            .min_by_key(|(i, j)| (distance(j), *i))
+            .map(|(i, _)| i)?;
+        self.prefetch.remove(best)
+    }
 }
 
 struct State {
@@ -125,6 +148,7 @@ impl StreamingSource {
                 opts.cache_bytes
             )));
         }
+        let layer_cycle = table.layers().last().map_or(0, |l| l + 1);
         let free: Vec<Arc<SlotBuf>> = SlotBuf::allocate(slots, slot_len)
             .ok_or_else(|| StoreError::Engine(format!("cannot allocate {slots} slots of {slot_len} bytes")))?
             .into_iter()
@@ -137,7 +161,10 @@ impl StreamingSource {
                 free,
             }),
             arrived: Condvar::new(),
-            queue: Mutex::new(Queue::default()),
+            queue: Mutex::new(Queue {
+                layer_cycle,
+                ..Queue::default()
+            }),
             work: Condvar::new(),
             counters: Arc::new(StoreCounters::default()),
             verify: opts.verify,
@@ -303,6 +330,32 @@ impl Inner {
         Ok(())
     }
 
+    /// Makes `layer` the focus of the prefetch order and cancels its queued prefetches of experts not in
+    /// `wanted`.
+    fn cancel_prefetches(&self, st: &mut State, layer: usize, wanted: &[usize]) {
+        lock(&self.queue).focus = layer;
+        self.drop_queued_prefetches(st, layer, wanted);
+    }
+
+    /// Drops the queued (not yet started) prefetches of `layer` for experts not in `keep`: their entries go,
+    /// their slots return to the free list, nothing was read.
+    fn drop_queued_prefetches(&self, st: &mut State, layer: usize, keep: &[usize]) {
+        let mut q = lock(&self.queue);
+        let mut i = 0;
+        while i < q.prefetch.len() {
+            let key = q.prefetch[i].key;
+            if key.0 != layer || keep.contains(&key.1) {
+                i += 1;
+                continue;
+            }
+            if let Some(job) = q.prefetch.remove(i) {
+                st.entries.pop(&key);
+                st.free.push(job.buf);
+                self.counters.prefetch_cancelled.fetch_add(1, Relaxed);
+            }
+        }
+    }
+
     /// Moves a queued prefetch of `key` to the demand queue (it is needed now).
     fn promote(&self, key: Key) {
         let mut q = lock(&self.queue);
@@ -321,7 +374,7 @@ impl Inner {
                     if q.shutdown {
                         return;
                     }
-                    if let Some(j) = q.demand.pop_front().or_else(|| q.prefetch.pop_front()) {
+                    if let Some(j) = q.pop() {
                         if q.in_flight == 0 {
                             q.active_since = Some(Instant::now());
                         }
@@ -678,6 +731,7 @@ impl ExpertSource for StreamingSource {
         };
         let c = &inner.counters;
         let mut st = lock(&inner.state);
+        inner.cancel_prefetches(&mut st, layer, experts);
         // The first position asking for each expert; later ones get a copy of its record (one read, one slot).
         let mut first: HashMap<usize, usize> = HashMap::with_capacity(experts.len());
         for (pos, &e) in experts.iter().enumerate() {
@@ -732,6 +786,8 @@ impl ExpertSource for StreamingSource {
     fn prefetch(&self, layer: usize, experts: &[usize]) {
         let inner = &*self.inner;
         let mut st = lock(&inner.state);
+        // The latest guess for a layer replaces the earlier ones still queued.
+        inner.drop_queued_prefetches(&mut st, layer, experts);
         for &e in experts {
             let key = (layer, e);
             if inner.table.record(layer, e).is_none() || st.entries.contains(&key) {

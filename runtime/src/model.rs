@@ -16,6 +16,8 @@ use crate::gated_delta::GatedDeltaNet;
 use crate::linear::Linear;
 use crate::memory_plan::MemoryPlan;
 use crate::moe::{Mlp, RouterKind, SparseMoe};
+use crate::prefetch::GuessBook;
+pub use crate::prefetch::PrefetchMode;
 use crate::profile::{Part, StepProfile};
 use crate::sequence::{KvCache, LayerState, Sequence};
 
@@ -36,30 +38,6 @@ pub struct SeqRequest<'a> {
     pub cache: &'a mut KvCache,
     /// Its experts per token, and which logits it wants.
     pub opts: ForwardOptions,
-}
-
-/// Which records the store is asked to read ahead during decode.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum PrefetchMode {
-    /// No speculative reads.
-    #[default]
-    None,
-    /// The next layer's experts of the previous token.
-    PrevToken,
-    /// The next layer's router applied to the current residual stream.
-    NextLayer,
-}
-
-impl std::str::FromStr for PrefetchMode {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "none" => Ok(Self::None),
-            "prev-token" => Ok(Self::PrevToken),
-            "next-layer" => Ok(Self::NextLayer),
-            _ => Err(format!("unknown prefetch mode `{s}` (none, prev-token, next-layer)")),
-        }
-    }
 }
 
 /// Static facts about a loaded model.
@@ -122,12 +100,22 @@ pub(crate) struct Model<B: Backend> {
     pub lm_head: B::Matrix,
     pub eps: f32,
     pub hidden: usize,
+    /// How layers ahead are guessed (resolved: never `Auto`).
     pub prefetch: PrefetchMode,
+    /// How many MoE layers ahead each layer's guess reaches.
+    pub prefetch_ahead: usize,
+    /// Guesses are read only while their precision is at least this (`None`: always).
+    pub prefetch_min_precision: Option<f64>,
+    /// The guesses made and how right they were.
+    pub guesses: std::sync::Mutex<GuessBook>,
     pub profile: StepProfile,
 }
 
 /// Per MoE layer: the layer and, per sequence, its last token's experts.
 type LastExperts = Vec<(usize, Vec<Vec<usize>>)>;
+
+/// Predicted experts of the layers ahead, nearest first: (store layer, experts ascending).
+pub(crate) type Prediction = Vec<(usize, Vec<usize>)>;
 
 /// A fresh id for each model, so a cache is only ever run by the model that made it.
 pub(crate) fn next_model_id() -> u64 {
@@ -143,6 +131,8 @@ pub(crate) trait Runner: Send {
     fn set_expert_source(&mut self, s: Arc<dyn ExpertSource>);
     fn profile(&self) -> &StepProfile;
     fn backend_name(&self) -> &'static str;
+    fn prefetch(&self) -> (PrefetchMode, usize);
+    fn guess_precision(&self) -> Option<f64>;
 }
 
 impl<B: Backend> Model<B> {
@@ -176,26 +166,46 @@ impl<B: Backend> Model<B> {
         Ok(k)
     }
 
-    /// During decode (one sequence, one token), the experts layer `i + 1` will probably need.
-    fn predict_next(
+    /// The experts the next `prefetch_ahead` MoE layers after layer `i` will probably need, nearest first,
+    /// from `x` (the residual stream after layer `i`'s mixer): per layer, the union over the batch's rows.
+    /// Decode steps' guesses are remembered for scoring; none are returned while the gate is shut.
+    fn predict_ahead(
         &self,
         i: usize,
         x: &B::Tensor,
-        k: usize,
-        seq: &Sequence<B>,
-    ) -> Result<Option<(usize, Vec<usize>)>> {
-        let Some(next) = self.layers.get(i + 1) else {
-            return Ok(None);
-        };
-        let Ffn::Moe(moe) = &next.ffn else {
-            return Ok(None);
-        };
-        let experts = match self.prefetch {
-            PrefetchMode::None => return Ok(None),
-            PrefetchMode::PrevToken => seq.last_experts.get(i + 1).cloned().unwrap_or_default(),
-            PrefetchMode::NextLayer => moe.predict(&self.be, &self.be.rms_norm(x, &next.post_norm, self.eps)?, k)?,
-        };
-        Ok((!experts.is_empty()).then_some((moe.layer, experts)))
+        ks: &[usize],
+        seqs: &[&mut Sequence<B>],
+        decode: bool,
+    ) -> Result<Prediction> {
+        let mut out = Vec::new();
+        for (j, layer) in self.layers.iter().enumerate().skip(i + 1).take(self.prefetch_ahead) {
+            let Ffn::Moe(moe) = &layer.ffn else {
+                continue;
+            };
+            let mut experts = match self.prefetch {
+                PrefetchMode::None | PrefetchMode::Auto => return Ok(out),
+                PrefetchMode::PrevToken => seqs.iter().flat_map(|s| s.last_experts[j].iter().copied()).collect(),
+                PrefetchMode::NextLayer => {
+                    moe.predict(&self.be, &self.be.rms_norm(x, &layer.post_norm, self.eps)?, ks)?
+                }
+            };
+            experts.sort_unstable();
+            experts.dedup();
+            if decode {
+                self.guess_book().record(j, &experts);
+            }
+            if !experts.is_empty() {
+                out.push((moe.layer, experts));
+            }
+        }
+        if !self.guess_book().open(self.prefetch_min_precision) {
+            out.clear();
+        }
+        Ok(out)
+    }
+
+    fn guess_book(&self) -> std::sync::MutexGuard<'_, GuessBook> {
+        self.guesses.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Every layer over the batch; returns the residual stream and, per MoE layer, each sequence's last-token
@@ -246,12 +256,13 @@ impl<B: Backend> Model<B> {
                     f
                 }
                 Ffn::Moe(moe) => {
-                    let predicted = match (spans, &seqs[..]) {
-                        ([s], [seq]) if s.len() == 1 => self.predict_next(i, &x, ks[0], seq)?,
-                        _ => None,
-                    };
-                    let hint = predicted.as_ref().map(|(l, e)| (*l, e.as_slice()));
-                    let (f, plan) = moe.forward(be, &b, ks, hint, &self.profile)?;
+                    let seqs = &*seqs;
+                    let decode = spans.iter().all(|s| s.len() == 1);
+                    let mut predict = || self.predict_ahead(i, &x, ks, seqs, decode);
+                    let (f, plan) = moe.forward(be, &b, ks, &mut predict, &self.profile)?;
+                    if decode {
+                        self.guess_book().score(i, &plan.used);
+                    }
                     let lasts = spans.iter().map(|s| plan.routes[s.rows.end - 1].0.clone()).collect();
                     last_experts.push((i, lasts));
                     f
@@ -394,6 +405,14 @@ impl<B: Backend> Runner for Model<B> {
     fn backend_name(&self) -> &'static str {
         self.be.name()
     }
+
+    fn prefetch(&self) -> (PrefetchMode, usize) {
+        (self.prefetch, self.prefetch_ahead)
+    }
+
+    fn guess_precision(&self) -> Option<f64> {
+        self.guess_book().precision()
+    }
 }
 
 /// A loaded model on its backend: what generate, serve and bench run.
@@ -435,6 +454,17 @@ impl DecoderModel {
     /// Where forward time goes, accumulated over every call.
     pub fn profile(&self) -> &StepProfile {
         self.runner.profile()
+    }
+
+    /// How this model guesses the layers ahead (`Auto` resolved) and how many MoE layers ahead it guesses.
+    pub fn prefetch(&self) -> (PrefetchMode, usize) {
+        self.runner.prefetch()
+    }
+
+    /// Recent share of the experts guessed for the layers ahead that those layers then used (decode steps;
+    /// `None` before any guess was scored).
+    pub fn guess_precision(&self) -> Option<f64> {
+        self.runner.guess_precision()
     }
 
     /// The backend computing this model (`cpu`, `mlx`, `reference`).

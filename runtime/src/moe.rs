@@ -190,7 +190,7 @@ impl<B: Backend> SparseMoe<B> {
         be: &B,
         x: &B::Tensor,
         ks: &[usize],
-        prefetch: Option<(usize, &[usize])>,
+        prefetch: &mut dyn FnMut() -> Result<crate::model::Prediction>,
         profile: &StepProfile,
     ) -> Result<(B::Tensor, RoutePlan)> {
         let start = Instant::now();
@@ -198,8 +198,9 @@ impl<B: Backend> SparseMoe<B> {
         let logits = be.to_host(&be.matmul(&self.router, x)?)?;
         let plan = RoutePlan::new(self.kind, &logits, self.num_experts, ks);
         let mut fetch = self.experts.fetch_layer(self.layer, &plan.used)?;
-        if let Some((layer, experts)) = prefetch {
-            self.experts.prefetch(layer, experts);
+        // Guessed after this layer's reads are queued, so the guess never delays them.
+        for (layer, experts) in prefetch()? {
+            self.experts.prefetch(layer, &experts);
         }
         let mut outputs: Vec<Option<B::Tensor>> = vec![None; plan.used.len()];
         while let Some(batch) = fetch.next_batch(usize::MAX) {
@@ -236,10 +237,14 @@ impl<B: Backend> SparseMoe<B> {
         Ok((out, plan))
     }
 
-    /// The experts this layer's router picks for one normalized row `x` (the next-layer prefetch guess).
-    pub fn predict(&self, be: &B, x: &B::Tensor, k: usize) -> Result<Vec<usize>> {
+    /// The experts this layer's router picks for the normalized rows `x` (row `t` takes `ks[t]`), in any
+    /// order, possibly repeated: the prefetch guess for a layer ahead.
+    pub fn predict(&self, be: &B, x: &B::Tensor, ks: &[usize]) -> Result<Vec<usize>> {
         let logits = be.to_host(&be.matmul(&self.router, x)?)?;
-        Ok(self.kind.route(&logits, k.min(self.num_experts)).0)
+        let rows = logits.chunks(self.num_experts).zip(ks);
+        Ok(rows
+            .flat_map(|(l, &k)| self.kind.route(l, k.min(self.num_experts)).0)
+            .collect())
     }
 }
 
@@ -344,7 +349,7 @@ mod tests {
             data: x.to_vec(),
             cols: m.hidden,
         };
-        m.forward(&CpuBackend, &x, ks, None, &StepProfile::default())
+        m.forward(&CpuBackend, &x, ks, &mut || Ok(Vec::new()), &StepProfile::default())
             .unwrap()
             .0
             .data
@@ -428,7 +433,7 @@ mod tests {
             cols: 64,
         };
         let e = m
-            .forward(&CpuBackend, &x, &[2], None, &StepProfile::default())
+            .forward(&CpuBackend, &x, &[2], &mut || Ok(Vec::new()), &StepProfile::default())
             .unwrap_err();
         assert!(e.to_string().contains("no expert record for layer 3"), "{e}");
     }

@@ -56,6 +56,9 @@ impl std::str::FromStr for IoMode {
     }
 }
 
+/// MoE layers ahead that a layer's prefetch guess reaches by default.
+pub const DEFAULT_PREFETCH_AHEAD: usize = 2;
+
 /// Settings for serving experts.
 #[derive(Debug, Clone)]
 pub struct ExpertOptions {
@@ -69,8 +72,10 @@ pub struct ExpertOptions {
     pub io: IoMode,
     /// Check packed records' checksums on every read.
     pub verify: bool,
-    /// Speculative reads during decode.
+    /// Speculative reads of the layers ahead.
     pub prefetch: PrefetchMode,
+    /// How many MoE layers ahead each layer's prefetch guess reaches.
+    pub prefetch_ahead: usize,
     /// Which implementation computes the forward pass.
     pub backend: BackendKind,
     /// The context limit the KV budget is planned for (`None`: the planner's default).
@@ -119,7 +124,8 @@ impl Default for ExpertOptions {
             io_depth: 8,
             io: IoMode::Auto,
             verify: true,
-            prefetch: PrefetchMode::None,
+            prefetch: PrefetchMode::Auto,
+            prefetch_ahead: DEFAULT_PREFETCH_AHEAD,
             backend: BackendKind::default_for_build(),
             context: None,
         }

@@ -11,7 +11,7 @@ use clap::Args;
 use expert_store::{CounterSnapshot, PosixFile, ReadAt, SlotBuf, DIRECT_ALIGN};
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
-use sluice_runtime::{DecoderModel, ForwardOptions, Part, Pipeline};
+use sluice_runtime::{DecoderModel, ForwardOptions, Part, Pipeline, PrefetchMode};
 
 use crate::store_cmds::EngineArgs;
 
@@ -73,8 +73,11 @@ pub(crate) struct RunReport {
     pub(crate) read_p50_ms: f64,
     pub(crate) read_p99_ms: f64,
     pub(crate) effective_queue_depth: f64,
+    /// Share of issued prefetch reads that a step then used.
     pub(crate) prefetch_accuracy: f64,
     pub(crate) prefetch_wasted_bytes: u64,
+    /// Recent share of the experts guessed for the layers ahead that those layers used (read or not).
+    pub(crate) guess_precision: Option<f64>,
     /// Where prefill time went, as shares of it (as `decode_split`).
     pub(crate) prefill_split: Vec<(String, f64)>,
     /// Where decode time went, as shares of it: each layer part (routed experts without their I/O wait),
@@ -198,7 +201,10 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         cache_slots: slots,
         io_depth: opts.io_depth,
         direct_io: m.memory_plan.direct_io,
-        prefetch: format!("{:?}", opts.prefetch),
+        prefetch: match m.prefetch() {
+            (PrefetchMode::None, _) => "none".to_string(),
+            (mode, ahead) => format!("{mode:?}, {ahead} ahead"),
+        },
         threads: rayon::current_num_threads(),
         load_seconds,
         disk_probe_gb_s,
@@ -262,6 +268,7 @@ pub(crate) fn measure(m: &DecoderModel, name: &str, tokens: &[u32], prompt: usiz
         effective_queue_depth: c.effective_queue_depth(),
         prefetch_accuracy: c.prefetch_accuracy(),
         prefetch_wasted_bytes: c.prefetch_wasted_bytes,
+        guess_precision: m.guess_precision(),
         prefill_split,
         decode_split,
         decode_counters: d,
@@ -383,7 +390,7 @@ fn print_table(r: &Report) {
         println!("DRAM probe: {d:.1} GB/s");
     }
     println!(
-        "{:<6} {:>10} {:>10} {:>9} {:>12} {:>7} {:>8} {:>9} {:>8} {:>8} {:>6} {:>9}",
+        "{:<6} {:>10} {:>10} {:>9} {:>12} {:>7} {:>8} {:>9} {:>8} {:>8} {:>6} {:>9} {:>8}",
         "run",
         "prefill/s",
         "decode/s",
@@ -395,11 +402,12 @@ fn print_table(r: &Report) {
         "p50 ms",
         "p99 ms",
         "depth",
-        "pf acc %"
+        "pf acc %",
+        "guess %"
     );
     for x in &r.runs {
         println!(
-            "{:<6} {:>10.2} {:>10.2} {:>9.1} {:>12.1} {:>7.1} {:>7.0}% {:>9.2} {:>8.2} {:>8.2} {:>6.1} {:>9.0}",
+            "{:<6} {:>10.2} {:>10.2} {:>9.1} {:>12.1} {:>7.1} {:>7.0}% {:>9.2} {:>8.2} {:>8.2} {:>6.1} {:>9.0} {:>8}",
             x.run,
             x.prefill_tok_s,
             x.decode_tok_s,
@@ -411,7 +419,8 @@ fn print_table(r: &Report) {
             x.read_p50_ms,
             x.read_p99_ms,
             x.effective_queue_depth,
-            100.0 * x.prefetch_accuracy
+            100.0 * x.prefetch_accuracy,
+            x.guess_precision.map_or("-".into(), |p| format!("{:.0}", 100.0 * p))
         );
     }
     for x in &r.runs {

@@ -34,9 +34,14 @@ pub struct EngineArgs {
     /// Skip the checksum check of each packed record read from disk.
     #[arg(long, env = "SLUICE_NO_VERIFY")]
     pub no_verify: bool,
-    /// Speculative expert reads during decode: none, prev-token, next-layer.
-    #[arg(long, default_value = "none", env = "SLUICE_PREFETCH")]
+    /// Speculative reads of the layers ahead: `next-layer` (their routers applied to the current residual
+    /// stream), `prev-token` (the experts the previous token used there), `none`, or `auto` (next-layer
+    /// when experts stream from disk, else none).
+    #[arg(long, default_value = "auto", env = "SLUICE_PREFETCH")]
     pub prefetch: PrefetchMode,
+    /// How many MoE layers ahead each layer's prefetch guess reaches.
+    #[arg(long, default_value_t = sluice_runtime::DEFAULT_PREFETCH_AHEAD, env = "SLUICE_PREFETCH_AHEAD")]
+    pub prefetch_ahead: usize,
     /// Matmul kernels: `q8` (activations quantized to int8 per 32 values for integer dot products, as
     /// llama.cpp does; faster; held-out perplexity within 0.5% of exact) or `exact` (f32 activations; matches
     /// mlx-lm to ~1e-5). Where no int8 kernel exists (other than 4/8-bit on x86-64), q8 runs the exact ones.
@@ -78,6 +83,7 @@ impl EngineArgs {
             io: if self.direct_io { IoMode::Direct } else { self.io },
             verify: !self.no_verify,
             prefetch: self.prefetch,
+            prefetch_ahead: self.prefetch_ahead,
             backend: self.backend.unwrap_or_else(BackendKind::default_for_build),
             context: None,
         })

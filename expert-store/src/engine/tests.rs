@@ -107,19 +107,35 @@ impl ReadAt for MemFile {
 /// A table of `EXPERTS` packed, checksummed records of layer `LAYER`, each one read of `REC` bytes in two
 /// parts.
 fn table() -> (RecordTable, Arc<MemFile>) {
-    let data: Vec<u8> = (0..EXPERTS).flat_map(|e| record_bytes(LAYER, e)).collect();
-    let layouts = (0..EXPERTS)
-        .map(|e| RecordLayout {
+    table_of(&[LAYER])
+}
+
+/// Where record (`layers[i]`, expert) starts in the file of [`table_of`]`(layers)`.
+fn offset_in(i: usize, expert: usize) -> u64 {
+    ((i * EXPERTS + expert) * REC) as u64
+}
+
+/// [`table`] for several layers, one after the other in the file in the order given.
+fn table_of(layers: &[usize]) -> (RecordTable, Arc<MemFile>) {
+    let data: Vec<u8> = (layers.iter())
+        .flat_map(|&l| (0..EXPERTS).flat_map(move |e| record_bytes(l, e)))
+        .collect();
+    let layout = |i: usize, e: usize| {
+        let at = offset_in(i, e) as usize;
+        RecordLayout {
             reads: vec![ReadOp {
                 file: 0,
-                offset: offset_of(e),
+                offset: at as u64,
                 len: REC,
                 slot_offset: 0,
                 needed: REC,
             }],
             parts: vec![(0, SPLIT), (SPLIT, REC - SPLIT)],
-            checksum: Some(xxhash_rust::xxh3::xxh3_64(&data[e * REC..(e + 1) * REC])),
-        })
+            checksum: Some(xxhash_rust::xxh3::xxh3_64(&data[at..at + REC])),
+        }
+    };
+    let table = (layers.iter().enumerate())
+        .map(|(i, &l)| (l, (0..EXPERTS).map(|e| layout(i, e)).collect()))
         .collect();
     let file = Arc::new(MemFile {
         data,
@@ -128,7 +144,7 @@ fn table() -> (RecordTable, Arc<MemFile>) {
         changed: Condvar::new(),
     });
     let files: Vec<Arc<dyn ReadAt>> = vec![file.clone()];
-    (RecordTable::new(files, HashMap::from([(LAYER, layouts)])), file)
+    (RecordTable::new(files, table), file)
 }
 
 fn options(cache_bytes: u64, io_depth: usize) -> EngineOptions {
@@ -424,7 +440,8 @@ fn prefetched_record_is_served_without_a_second_read() {
     assert_eq!((c.prefetch_wasted, c.prefetch_wasted_bytes), (0, 0));
 }
 
-/// A prediction still queued when a step needs it moves ahead of the other predictions and is read once.
+/// A prediction still queued when a step needs it moves to the demand queue and is read once; the layer's
+/// other queued predictions, which the step did not ask for, are cancelled unread and free their slots.
 #[test]
 fn queued_prefetch_is_promoted_when_demanded() {
     let (src, file) = engine(4, 1);
@@ -439,15 +456,64 @@ fn queued_prefetch_is_promoted_when_demanded() {
     assert!(f.next_ready().is_none());
     drop(f);
     src.wait_idle();
-    assert_eq!(file.reads(), offsets(&[0, 3, 1, 2]));
+    assert_eq!(file.reads(), offsets(&[0, 3]));
     let c = counters(&src);
     assert_eq!(
-        (c.prefetch_issued, c.prefetch_hits, c.hits, c.misses),
-        (4, 1, 0, 1),
+        (
+            c.prefetch_issued,
+            c.prefetch_hits,
+            c.prefetch_cancelled,
+            c.hits,
+            c.misses
+        ),
+        (4, 1, 2, 0, 1),
         "{c:?}"
     );
-    // Four reads in all, no second read of 3 (its bytes count as prefetch bytes: a prediction read them).
-    assert_eq!((c.reads, c.bytes_read(), c.demand_bytes), (4, 4 * REC as u64, 0));
+    // No second read of 3 (its bytes count as prefetch bytes: a prediction read them).
+    assert_eq!((c.reads, c.bytes_read(), c.demand_bytes), (2, 2 * REC as u64, 0));
+    assert_eq!(src.slot_census(), (2, 2), "cancelled predictions give their slots back");
+    // The cancelled records are read again when asked for.
+    fetch_all(&src, &[1, 2], true).unwrap();
+    assert_eq!(file.reads(), offsets(&[0, 3, 1, 2]));
+}
+
+/// Predictions are read nearest layer first after the layer fetched last (cyclically: after the last layer
+/// comes the first), whatever order they were made in.
+#[test]
+fn prefetches_are_read_nearest_layer_first() {
+    let layers = [3, 0, 1, 2];
+    let (t, file) = table_of(&layers);
+    let src = StreamingSource::new(t, &options(8 * SLOT, 1)).unwrap();
+    file.close();
+    let mut f = src.fetch_layer(1, &[0]).unwrap(); // the focus is layer 1; its read holds the only thread
+    file.wait_started(1);
+    src.prefetch(0, &[1]); // three layers after 1
+    src.prefetch(3, &[2]); // two after
+    src.prefetch(2, &[3, 4]); // the next one
+    file.open();
+    assert!(f.next_ready().unwrap().is_ok());
+    drop(f);
+    src.wait_idle();
+    let at = |layer: usize, e: usize| offset_in(layers.iter().position(|&l| l == layer).unwrap(), e);
+    assert_eq!(file.reads(), [at(1, 0), at(2, 3), at(2, 4), at(3, 2), at(0, 1)]);
+}
+
+/// A newer prediction for a layer replaces its queued older one; predictions already read stay.
+#[test]
+fn a_newer_prediction_replaces_the_queued_one() {
+    let (src, file) = engine(6, 1);
+    file.close();
+    src.prefetch(LAYER, &[0]);
+    file.wait_started(1); // 0 is being read: it stays whatever comes next
+    src.prefetch(LAYER, &[1, 2]);
+    src.prefetch(LAYER, &[2, 3]); // 1 is no longer predicted: dropped unread
+    assert_eq!(counters(&src).prefetch_cancelled, 1);
+    file.open();
+    src.wait_idle();
+    assert_eq!(file.reads(), offsets(&[0, 2, 3]));
+    assert_eq!(src.slot_census(), (3, 3));
+    let c = counters(&src);
+    assert_eq!((c.prefetch_issued, c.reads, c.prefetch_wasted), (4, 3, 0), "{c:?}");
 }
 
 #[test]

@@ -18,11 +18,12 @@ use crate::error::{ModelError, Result};
 use crate::expert_source::open_source;
 use crate::gated_delta::{DeltaShape, GatedDeltaNet};
 use crate::location::ModelLocation;
-use crate::memory_plan::ModelFootprint;
+use crate::memory_plan::{ExpertPlacement, ModelFootprint};
 use crate::model::{next_model_id, DecoderLayer, DecoderModel, Ffn, Mixer, Model, ModelInfo, PrefetchMode, Runner};
 use crate::moe::{Mlp, RouterKind, SharedExpert, SparseMoe};
 use crate::ops::{AttnShape, Rope};
 use crate::options::{BackendKind, ExpertOptions};
+use crate::prefetch::AUTO_MIN_PRECISION;
 use crate::weights::{ExpertLayout, Weights};
 
 type Describe = fn(&ModelConfig, Option<&Weights>) -> Result<Architecture>;
@@ -87,7 +88,13 @@ pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &Expe
         layouts,
         source,
         info: info.clone(),
-        prefetch: opts.prefetch,
+        prefetch: match opts.prefetch {
+            PrefetchMode::Auto if memory_plan.placement == ExpertPlacement::Stream => PrefetchMode::NextLayer,
+            PrefetchMode::Auto => PrefetchMode::None,
+            mode => mode,
+        },
+        prefetch_min_precision: (opts.prefetch == PrefetchMode::Auto).then_some(AUTO_MIN_PRECISION),
+        prefetch_ahead: opts.prefetch_ahead,
     };
     let runner: Box<dyn Runner> = match opts.backend {
         BackendKind::Cpu => Box::new(build_decoder(CpuBackend, parts)?),
@@ -275,6 +282,8 @@ struct Parts<'a> {
     source: Arc<dyn ExpertSource>,
     info: ModelInfo,
     prefetch: PrefetchMode,
+    prefetch_ahead: usize,
+    prefetch_min_precision: Option<f64>,
 }
 
 /// Assembles embedding, layers (attention at `model.layers.N.self_attn`, or for hybrids linear attention at
@@ -287,6 +296,8 @@ fn build_decoder<B: Backend>(be: B, p: Parts<'_>) -> Result<Model<B>> {
         source,
         info,
         prefetch,
+        prefetch_ahead,
+        prefetch_min_precision,
     } = p;
     let Architecture { dims: d, ffn: plans } = arch;
     let offset = d.hybrid.as_ref().map_or(0.0, |h| h.norm_offset);
@@ -376,6 +387,9 @@ fn build_decoder<B: Backend>(be: B, p: Parts<'_>) -> Result<Model<B>> {
         eps: d.eps,
         hidden: d.hidden,
         prefetch,
+        prefetch_ahead,
+        prefetch_min_precision,
+        guesses: Default::default(),
         profile: Default::default(),
         be,
     })
