@@ -21,6 +21,7 @@ mod layout;
 mod mmap;
 pub mod platform;
 mod store;
+mod trace;
 
 pub use aligned::{SlotBuf, SLOT_ALIGN};
 pub use bytes::OwnedBytes;
@@ -34,3 +35,4 @@ pub use store::{
     convert, is_store, ConvertOptions, LayerManifest, Manifest, PackedStore, PartManifest, RecordManifest, DATA_FILE,
     MANIFEST_FILE, STORE_VERSION,
 };
+pub use trace::{optimal_misses, RecordKey, TracingSource};

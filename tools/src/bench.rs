@@ -4,11 +4,14 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use expert_store::{CounterSnapshot, PosixFile, ReadAt, SlotBuf, DIRECT_ALIGN};
+use expert_store::{
+    optimal_misses, CounterSnapshot, PosixFile, ReadAt, RecordKey, SlotBuf, TracingSource, DIRECT_ALIGN,
+};
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use sluice_runtime::{DecoderModel, ForwardOptions, Part, Pipeline, PrefetchMode};
@@ -78,6 +81,16 @@ pub(crate) struct RunReport {
     pub(crate) prefetch_wasted_bytes: u64,
     /// Recent share of the experts guessed for the layers ahead that those layers used (read or not).
     pub(crate) guess_precision: Option<f64>,
+    /// Where this run's decode requests sit in the routing trace (when traced).
+    #[serde(skip)]
+    pub(crate) decode_requests: Option<std::ops::Range<usize>>,
+    /// Misses per decoded token an optimal (Belady) cache of the same slots would have on the same trace.
+    pub(crate) optimal_misses_per_token: Option<f64>,
+    /// Decode speed if the optimal cache's misses were read at the disk probe's speed, overlapped with this
+    /// run's compute (step time minus I/O wait): the bound this run is judged against.
+    pub(crate) bound_tok_s: Option<f64>,
+    /// What sets that bound: `disk` or `compute`.
+    pub(crate) bound_limit: Option<String>,
     /// Where prefill time went, as shares of it (as `decode_split`).
     pub(crate) prefill_split: Vec<(String, f64)>,
     /// Where decode time went, as shares of it: each layer part (routed experts without their I/O wait),
@@ -132,8 +145,17 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
     }
     let opts = a.engine.options()?;
     let started = Instant::now();
-    let p = Pipeline::load_with(&a.model, &opts).with_context(|| format!("loading {}", a.model.display()))?;
+    let mut p = Pipeline::load_with(&a.model, &opts).with_context(|| format!("loading {}", a.model.display()))?;
     let load_seconds = started.elapsed().as_secs_f64();
+    // Streaming: log the routing trace, to judge the cache against the optimal one on the same requests.
+    let tracer = (p.model.expert_counters().is_some())
+        .then(|| p.model.expert_source())
+        .flatten()
+        .map(|s| Arc::new(TracingSource::new(s)));
+    if let Some(t) = &tracer {
+        p.model.set_expert_source(t.clone());
+    }
+    let trace = tracer.as_deref();
     let m = &p.model;
     if a.engine.verbose {
         eprintln!("{}", m.memory_plan);
@@ -172,15 +194,15 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         } else if !a.json {
             eprintln!("note: experts are resident (mmap); a cold run only drops the slot cache when streaming");
         }
-        runs.push(measure(m, "cold", &stream[..per_run], a.prompt_tokens, top_k)?);
+        runs.push(measure(m, "cold", &stream[..per_run], a.prompt_tokens, top_k, trace)?);
     }
     if warm {
         if !cold {
             // Warm up on the first half, measure on the second.
-            measure(m, "warmup", &stream[..per_run], a.prompt_tokens, top_k)?;
+            measure(m, "warmup", &stream[..per_run], a.prompt_tokens, top_k, trace)?;
         }
         let second = &stream[per_run..2 * per_run];
-        runs.push(measure(m, "warm", second, a.prompt_tokens, top_k)?);
+        runs.push(measure(m, "warm", second, a.prompt_tokens, top_k, trace)?);
     }
     let probe = Duration::from_secs_f64(a.probe_seconds.max(0.0));
     let disk_probe_gb_s = if probe.is_zero() {
@@ -190,6 +212,12 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
     };
     let dram_probe_gb_s = (!probe.is_zero()).then(|| sluice_runtime::cpu::dram_read_gbps(512 << 20, probe));
     let slots = p.model.expert_slots();
+    if let (Some(t), Some(slots), Some(disk)) = (trace, slots, disk_probe_gb_s) {
+        let requests = t.requests();
+        for r in &mut runs {
+            judge_against_optimal(r, &requests, slots, record_bytes, disk);
+        }
+    }
     let report = Report {
         model: a.model.display().to_string(),
         mode: format!("{:?}", m.memory_plan.placement).to_lowercase(),
@@ -214,8 +242,30 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
     Ok(report)
 }
 
+/// Fills in run `r`'s optimal-cache misses and the bound they set: those misses read at `disk_gb_s`,
+/// overlapped with the run's own compute (its decode time minus I/O wait).
+fn judge_against_optimal(r: &mut RunReport, requests: &[RecordKey], slots: usize, record_bytes: u64, disk_gb_s: f64) {
+    let Some(range) = r.decode_requests.clone() else {
+        return;
+    };
+    let gen = r.gen_tokens as f64;
+    let misses = optimal_misses(&requests[..range.end], slots, range) as f64 / gen;
+    let io = misses * record_bytes as f64 / (disk_gb_s * 1e9);
+    let compute = r.decode_ms_per_token / 1e3 * (1.0 - r.io_wait_share);
+    r.optimal_misses_per_token = Some(misses);
+    r.bound_tok_s = Some(1.0 / io.max(compute));
+    r.bound_limit = Some(if io > compute { "disk" } else { "compute" }.into());
+}
+
 /// Prefill `tokens[..prompt]` in one pass (chunks of 512), then decode the rest one token at a time.
-pub(crate) fn measure(m: &DecoderModel, name: &str, tokens: &[u32], prompt: usize, top_k: usize) -> Result<RunReport> {
+pub(crate) fn measure(
+    m: &DecoderModel,
+    name: &str,
+    tokens: &[u32],
+    prompt: usize,
+    top_k: usize,
+    trace: Option<&TracingSource>,
+) -> Result<RunReport> {
     let opts = ForwardOptions {
         top_k: Some(top_k),
         all_logits: false,
@@ -237,6 +287,7 @@ pub(crate) fn measure(m: &DecoderModel, name: &str, tokens: &[u32], prompt: usiz
     );
     let before = counters.as_ref().map(|c| c.snapshot());
     let parts_before = m.profile().snapshot();
+    let decode_start = trace.map_or(0, TracingSource::len);
     let t1 = Instant::now();
     for &t in &tokens[prompt..] {
         m.forward(&[t], &mut cache, &opts)?;
@@ -269,6 +320,10 @@ pub(crate) fn measure(m: &DecoderModel, name: &str, tokens: &[u32], prompt: usiz
         prefetch_accuracy: c.prefetch_accuracy(),
         prefetch_wasted_bytes: c.prefetch_wasted_bytes,
         guess_precision: m.guess_precision(),
+        decode_requests: trace.map(|t| decode_start..t.len()),
+        optimal_misses_per_token: None,
+        bound_tok_s: None,
+        bound_limit: None,
         prefill_split,
         decode_split,
         decode_counters: d,
@@ -431,6 +486,16 @@ fn print_table(r: &Report) {
                 .map(|(name, share)| format!("{} {:.1}%", name.replace('_', " "), 100.0 * share))
                 .collect();
             println!("{} {what} time: {}", x.run, parts.join(" | "));
+        }
+    }
+    for x in &r.runs {
+        if let (Some(b), Some(limit), Some(misses)) = (x.bound_tok_s, &x.bound_limit, x.optimal_misses_per_token) {
+            println!(
+                "{} bound: {b:.2} tok/s ({limit}: an optimal cache of these slots misses {misses:.1} records per token \
+                 on this trace, read at the disk probe, overlapped with this run's compute); achieved {:.0}%",
+                x.run,
+                100.0 * x.decode_tok_s / b
+            );
         }
     }
     if let (Some(disk), Some(w)) = (r.disk_probe_gb_s, r.runs.first()) {

@@ -139,6 +139,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
                 &ids[..prompt + n],
                 prompt,
                 q.top_k,
+                None,
             )?)
         } else {
             None
