@@ -186,7 +186,7 @@ fn next_layer_guesses_beat_chance_on_the_trained_models() {
             let m = &p.model;
             let mut cache = m.new_cache();
             m.forward(&ids[..16], &mut cache, &ForwardOptions::default()).unwrap();
-            for &t in &ids[16..160] {
+            for &t in &ids[16..96] {
                 m.forward(&[t], &mut cache, &ForwardOptions::default()).unwrap();
             }
             let chance = m.info.default_top_k as f64 / m.info.num_experts as f64;
