@@ -10,6 +10,7 @@
 //!   guess for the next layer goes before a guess for the one after, whatever order the guesses came in.
 //! - A layer's fetch cancels that layer's queued prefetches it did not ask for: the guess was wrong, and
 //!   reading it now would only delay the reads still useful.
+//! - A newer guess for a layer replaces its queued older one (what was already read or started stays).
 //! - Prefetches only take free slots or evict entries that are neither pinned nor unused prefetches.
 //! - A record has at most one entry and one read: an expert asked for twice in one fetch, or by two
 //!   fetches, shares the first request's read (a second read would replace the entry and lose a slot).

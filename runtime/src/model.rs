@@ -177,13 +177,21 @@ impl<B: Backend> Model<B> {
         seqs: &[&mut Sequence<B>],
         decode: bool,
     ) -> Result<Prediction> {
+        if matches!(self.prefetch, PrefetchMode::None | PrefetchMode::Auto) {
+            return Ok(Vec::new());
+        }
+        // A shut gate still guesses in decode (to score the guesses and reopen), never in prefill.
+        let open = self.guess_book().open(self.prefetch_min_precision);
+        if !open && !decode {
+            return Ok(Vec::new());
+        }
         let mut out = Vec::new();
         for (j, layer) in self.layers.iter().enumerate().skip(i + 1).take(self.prefetch_ahead) {
             let Ffn::Moe(moe) = &layer.ffn else {
                 continue;
             };
             let mut experts = match self.prefetch {
-                PrefetchMode::None | PrefetchMode::Auto => return Ok(out),
+                PrefetchMode::None | PrefetchMode::Auto => Vec::new(),
                 PrefetchMode::PrevToken => seqs.iter().flat_map(|s| s.last_experts[j].iter().copied()).collect(),
                 PrefetchMode::NextLayer => {
                     moe.predict(&self.be, &self.be.rms_norm(x, &layer.post_norm, self.eps)?, ks)?
@@ -198,7 +206,7 @@ impl<B: Backend> Model<B> {
                 out.push((moe.layer, experts));
             }
         }
-        if !self.guess_book().open(self.prefetch_min_precision) {
+        if !open {
             out.clear();
         }
         Ok(out)
@@ -260,7 +268,7 @@ impl<B: Backend> Model<B> {
                     let decode = spans.iter().all(|s| s.len() == 1);
                     let mut predict = || self.predict_ahead(i, &x, ks, seqs, decode);
                     let (f, plan) = moe.forward(be, &b, ks, &mut predict, &self.profile)?;
-                    if decode {
+                    if decode && self.prefetch != PrefetchMode::None {
                         self.guess_book().score(i, &plan.used);
                     }
                     let lasts = spans.iter().map(|s| plan.routes[s.rows.end - 1].0.clone()).collect();
