@@ -1,5 +1,5 @@
 //! The streaming engine: expert records read by a pool of I/O threads into persistent slots, kept under
-//! a byte budget with LRU eviction, served to the decode step as they arrive.
+//! a byte budget, served to the decode step as they arrive.
 //!
 //! Invariants:
 //! - Slots are allocated once, at start. A slot is written only by the I/O thread that exclusively owns it
@@ -11,7 +11,13 @@
 //! - A layer's fetch cancels that layer's queued prefetches it did not ask for: the guess was wrong, and
 //!   reading it now would only delay the reads still useful.
 //! - A newer guess for a layer replaces its queued older one (what was already read or started stays).
-//! - Prefetches only take free slots or evict entries that are neither pinned nor unused prefetches.
+//! - Eviction takes the record whose layer comes back last: layers run in a cycle, so the layer just
+//!   computed is needed furthest in the future (least recently used first within a layer). A prompt's
+//!   chunk reads every expert of every layer in order; plain LRU then evicts exactly the records the next
+//!   chunk needs first and hits nothing, while this keeps most layers whole (Belady's choice for a cycle).
+//!   A single token's routes are near-random within a layer, where this is per-layer LRU.
+//! - Prefetches only take free slots or evict entries that are neither pinned nor unused prefetches, and
+//!   only records of the guessed layer or of layers that come back after it.
 //! - A record has at most one entry and one read: an expert asked for twice in one fetch, or by two
 //!   fetches, shares the first request's read (a second read would replace the entry and lose a slot).
 
@@ -101,9 +107,71 @@ impl Queue {
     }
 }
 
+/// The cache's entries: one LRU list per layer, so the victim search walks layers by distance.
+struct Entries {
+    layers: Vec<LruCache<usize, Entry>>,
+}
+
+impl Entries {
+    fn new(layer_cycle: usize) -> Self {
+        Self {
+            layers: (0..layer_cycle.max(1)).map(|_| LruCache::unbounded()).collect(),
+        }
+    }
+
+    /// The entry of `key`, marked most recently used in its layer.
+    fn get_mut(&mut self, key: &Key) -> Option<&mut Entry> {
+        self.layers.get_mut(key.0)?.get_mut(&key.1)
+    }
+
+    fn peek_mut(&mut self, key: &Key) -> Option<&mut Entry> {
+        self.layers.get_mut(key.0)?.peek_mut(&key.1)
+    }
+
+    fn contains(&self, key: &Key) -> bool {
+        self.layers.get(key.0).is_some_and(|l| l.contains(&key.1))
+    }
+
+    fn put(&mut self, key: Key, entry: Entry) {
+        if key.0 >= self.layers.len() {
+            self.layers.resize_with(key.0 + 1, LruCache::unbounded);
+        }
+        self.layers[key.0].put(key.1, entry);
+    }
+
+    fn pop(&mut self, key: &Key) -> Option<Entry> {
+        self.layers.get_mut(key.0)?.pop(&key.1)
+    }
+
+    /// Every entry, layer by layer, most recently used first within a layer.
+    fn iter(&self) -> impl Iterator<Item = (Key, &Entry)> {
+        (self.layers.iter().enumerate()).flat_map(|(l, c)| c.iter().map(move |(e, entry)| ((l, *e), entry)))
+    }
+
+    /// How far ahead `layer` comes back after `focus`, the layer fetched last: 1 for the next layer, the whole
+    /// cycle for `focus` itself (its records not in use now are next wanted by the next token or chunk).
+    fn distance(&self, focus: usize, layer: usize) -> usize {
+        let cycle = self.layers.len();
+        (layer + cycle - focus % cycle - 1) % cycle + 1
+    }
+
+    /// The entry `evictable` allows whose layer comes back last, but after `beyond` layers; least recently
+    /// used first within that layer.
+    fn victim(&self, focus: usize, beyond: usize, evictable: impl Fn(&Entry) -> bool) -> Option<Key> {
+        let cycle = self.layers.len();
+        (beyond + 1..=cycle).rev().find_map(|d| {
+            let layer = (focus + d) % cycle;
+            let (&e, _) = self.layers[layer].iter().rev().find(|(_, entry)| evictable(entry))?;
+            Some((layer, e))
+        })
+    }
+}
+
 struct State {
-    entries: LruCache<Key, Entry>,
+    entries: Entries,
     free: Vec<Arc<SlotBuf>>,
+    /// The layer fetched last (eviction spares the layers that come right after it).
+    focus: usize,
 }
 
 struct Inner {
@@ -158,8 +226,9 @@ impl StreamingSource {
         let inner = Arc::new(Inner {
             table,
             state: Mutex::new(State {
-                entries: LruCache::unbounded(),
+                entries: Entries::new(layer_cycle),
                 free,
+                focus: 0,
             }),
             arrived: Condvar::new(),
             queue: Mutex::new(Queue {
@@ -230,12 +299,12 @@ impl StreamingSource {
         self.inner.fetch_waits.load(Relaxed)
     }
 
-    /// Keys of the loaded records, most recently used first.
+    /// Keys of the loaded records, layer by layer, most recently used first within a layer.
     fn resident(&self) -> Vec<Key> {
         let st = lock(&self.inner.state);
         (st.entries.iter())
             .filter(|(_, e)| matches!(e.state, SlotState::Ready(_)))
-            .map(|(k, _)| *k)
+            .map(|(k, _)| k)
             .collect()
     }
 
@@ -282,19 +351,22 @@ impl Inner {
         })
     }
 
-    /// A slot for a new read: a free one, else the least recently used entry that no computation
-    /// references and no fetch waits for. Prefetches also spare unused prefetched entries.
-    fn take_slot(&self, st: &mut State, for_prefetch: bool) -> Option<Arc<SlotBuf>> {
+    /// A slot for a new read of `key`: a free one, else an entry that no computation references and no
+    /// fetch waits for, from the layer that comes back last. Prefetches also spare unused prefetched
+    /// entries and the layers that come back before the guessed one.
+    fn take_slot(&self, st: &mut State, key: Key, for_prefetch: bool) -> Option<Arc<SlotBuf>> {
         if let Some(b) = st.free.pop() {
             return Some(b);
         }
-        let victim = st.entries.iter().rev().find_map(|(k, e)| match &e.state {
-            SlotState::Ready(b)
-                if Arc::strong_count(b) == 1 && e.waiters == 0 && !(for_prefetch && e.unused_prefetch) =>
-            {
-                Some(*k)
-            }
-            _ => None,
+        // A guess may evict records of its own layer (least recently used first), not of layers before it.
+        let beyond = if for_prefetch {
+            st.entries.distance(st.focus, key.0) - 1
+        } else {
+            0
+        };
+        let victim = st.entries.victim(st.focus, beyond, |e| match &e.state {
+            SlotState::Ready(b) => Arc::strong_count(b) == 1 && e.waiters == 0 && !(for_prefetch && e.unused_prefetch),
+            _ => false,
         })?;
         let e = st.entries.pop(&victim)?;
         if e.unused_prefetch {
@@ -334,6 +406,7 @@ impl Inner {
     /// Makes `layer` the focus of the prefetch order and cancels its queued prefetches of experts not in
     /// `wanted`.
     fn cancel_prefetches(&self, st: &mut State, layer: usize, wanted: &[usize]) {
+        st.focus = layer;
         lock(&self.queue).focus = layer;
         self.drop_queued_prefetches(st, layer, wanted);
     }
@@ -553,7 +626,7 @@ impl LayerFetch<'_> {
             if failed {
                 st.entries.pop(&key);
             }
-            let Some(buf) = inner.take_slot(st, false) else {
+            let Some(buf) = inner.take_slot(st, key, false) else {
                 break;
             };
             self.unsubmitted.pop_front();
@@ -794,7 +867,7 @@ impl ExpertSource for StreamingSource {
             if inner.table.record(layer, e).is_none() || st.entries.contains(&key) {
                 continue;
             }
-            let Some(buf) = inner.take_slot(&mut st, true) else {
+            let Some(buf) = inner.take_slot(&mut st, key, true) else {
                 break;
             };
             if inner.submit(&mut st, key, buf, true).is_ok() {
@@ -808,7 +881,7 @@ impl ExpertSource for StreamingSource {
         let mut st = lock(&inner.state);
         let idle: Vec<Key> = (st.entries.iter())
             .filter(|(_, e)| matches!(&e.state, SlotState::Ready(b) if Arc::strong_count(b) == 1 && e.waiters == 0))
-            .map(|(k, _)| *k)
+            .map(|(k, _)| k)
             .collect();
         for k in idle {
             if let Some(Entry {

@@ -44,6 +44,9 @@ pub struct GenerateParams {
     pub prefill_chunk: usize,
 }
 
+/// Prompt tokens per prefill pass unless asked otherwise.
+pub const DEFAULT_PREFILL_CHUNK: usize = 512;
+
 impl Default for GenerateParams {
     fn default() -> Self {
         Self {
@@ -53,7 +56,7 @@ impl Default for GenerateParams {
             expert_top_k: None,
             ignore_eos: false,
             context_limit: None,
-            prefill_chunk: 512,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
         }
     }
 }

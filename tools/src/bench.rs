@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use expert_store::{
-    optimal_misses, CounterSnapshot, PosixFile, ReadAt, RecordKey, SlotBuf, TracingSource, DIRECT_ALIGN,
+    optimal_misses, CounterSnapshot, ExpertFetch, ExpertRecord, ExpertSource, PosixFile, ReadAt, RecordKey, SlotBuf,
+    StoreCounters, StoreError, TracingSource, DIRECT_ALIGN,
 };
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
@@ -34,6 +35,15 @@ pub struct BenchArgs {
     /// Feed the tokens of this text file instead of random ids (a replayed, realistic stream).
     #[arg(long)]
     text: Option<PathBuf>,
+    /// Prompt tokens per prefill pass, as `sluice run -b`.
+    #[arg(
+        short = 'b',
+        long,
+        alias = "batch-size",
+        default_value_t = sluice_runtime::DEFAULT_PREFILL_CHUNK,
+        env = "SLUICE_PREFILL_CHUNK"
+    )]
+    prefill_chunk: usize,
     /// Experts per token (default: the model's own).
     #[arg(long, env = "SLUICE_TOP_K")]
     top_k: Option<usize>,
@@ -81,22 +91,38 @@ pub(crate) struct RunReport {
     pub(crate) prefetch_wasted_bytes: u64,
     /// Recent share of the experts guessed for the layers ahead that those layers used (read or not).
     pub(crate) guess_precision: Option<f64>,
-    /// Where this run's decode requests sit in the routing trace (when traced).
+    /// Expert bytes read from disk per prompt token during prefill.
+    pub(crate) prefill_read_bytes_per_token: f64,
+    pub(crate) prefill_hit_rate: f64,
+    /// Share of prefill time spent waiting for expert reads.
+    pub(crate) prefill_io_wait_share: f64,
+    /// Where this run's prefill and decode requests sit in the routing trace (when traced).
     #[serde(skip)]
-    pub(crate) decode_requests: Option<std::ops::Range<usize>>,
-    /// Misses per decoded token an optimal (Belady) cache of the same slots would have on the same trace.
-    pub(crate) optimal_misses_per_token: Option<f64>,
-    /// Decode speed if the optimal cache's misses were read at the disk probe's speed, overlapped with this
-    /// run's compute (step time minus I/O wait): the bound this run is judged against.
-    pub(crate) bound_tok_s: Option<f64>,
-    /// What sets that bound: `disk` or `compute`.
-    pub(crate) bound_limit: Option<String>,
+    pub(crate) trace_ranges: Option<[std::ops::Range<usize>; 2]>,
+    /// The optimal cache's bound on prefill (when traced and probed).
+    pub(crate) prefill_bound: Option<Bound>,
+    /// The optimal cache's bound on decode (when traced and probed).
+    pub(crate) decode_bound: Option<Bound>,
     /// Where prefill time went, as shares of it (as `decode_split`).
     pub(crate) prefill_split: Vec<(String, f64)>,
     /// Where decode time went, as shares of it: each layer part (routed experts without their I/O wait),
     /// `io_wait` (waiting for expert records) and `other` (residual adds, layer norms).
     pub(crate) decode_split: Vec<(String, f64)>,
     pub(crate) decode_counters: Option<CounterSnapshot>,
+}
+
+/// What an optimal cache allows one phase (prefill or decode) of a run: the bound it is judged against.
+#[derive(Serialize)]
+pub(crate) struct Bound {
+    /// Misses per token an optimal (Belady) cache of the same slots would have on the same trace.
+    pub(crate) optimal_misses_per_token: f64,
+    /// Tokens/s if those misses were read at the disk probe, overlapped with the in-RAM compute of the same
+    /// shape.
+    pub(crate) tok_s: f64,
+    /// What sets the bound: `disk` or `compute`.
+    pub(crate) limit: String,
+    /// Speed achieved / `tok_s`.
+    pub(crate) achieved: f64,
 }
 
 /// Everything `bench` reports.
@@ -111,13 +137,74 @@ pub(crate) struct Report {
     pub(crate) expert_bytes_per_token: u64,
     pub(crate) cache_slots: Option<usize>,
     pub(crate) io_depth: usize,
+    pub(crate) prefill_chunk: usize,
     pub(crate) direct_io: bool,
     pub(crate) prefetch: String,
     pub(crate) threads: usize,
     pub(crate) load_seconds: f64,
     pub(crate) disk_probe_gb_s: Option<f64>,
     pub(crate) dram_probe_gb_s: Option<f64>,
+    /// First touch of fresh anonymous memory (a cache slot filled for the first time pays it), GB/s.
+    pub(crate) fresh_memory_gb_s: Option<f64>,
+    /// The last run's prompt and tokens again with every record already in RAM (see [`TwinSource`]):
+    /// the in-RAM compute of the same shape, which the bounds overlap with the disk.
+    pub(crate) in_ram: Option<InRam>,
     pub(crate) runs: Vec<RunReport>,
+}
+
+/// The in-RAM compute pass.
+#[derive(Serialize)]
+pub(crate) struct InRam {
+    pub(crate) prefill_tok_s: f64,
+    pub(crate) decode_tok_s: f64,
+    /// Records per layer kept in RAM and served for every expert asked.
+    pub(crate) twins_per_layer: usize,
+}
+
+/// Serves each layer's requests from its first `twins` records, so after the first step every record is
+/// a cache hit: the same computation (a request's distinct experts map to distinct records while there are
+/// enough) with no reads, i.e. the in-RAM compute time of the same shape.
+struct TwinSource {
+    inner: Arc<dyn ExpertSource>,
+    twins: usize,
+}
+
+impl TwinSource {
+    /// The i-th distinct expert of `experts` becomes record i (mod `twins`).
+    fn map(&self, experts: &[usize]) -> Vec<usize> {
+        let mut order: Vec<usize> = Vec::with_capacity(experts.len());
+        (experts.iter())
+            .map(|e| {
+                let i = order.iter().position(|x| x == e).unwrap_or_else(|| {
+                    order.push(*e);
+                    order.len() - 1
+                });
+                i % self.twins
+            })
+            .collect()
+    }
+}
+
+impl ExpertSource for TwinSource {
+    fn read_expert(&self, layer: usize, expert: usize) -> Result<ExpertRecord, StoreError> {
+        self.inner.read_expert(layer, expert % self.twins)
+    }
+
+    fn fetch_layer<'a>(&'a self, layer: usize, experts: &[usize]) -> Result<Box<dyn ExpertFetch + 'a>, StoreError> {
+        self.inner.fetch_layer(layer, &self.map(experts))
+    }
+
+    fn counters(&self) -> Option<Arc<StoreCounters>> {
+        self.inner.counters()
+    }
+
+    fn slots(&self) -> Option<usize> {
+        self.inner.slots()
+    }
+
+    fn slot_len(&self) -> Option<usize> {
+        self.inner.slot_len()
+    }
 }
 
 /// Runs `sluice bench`.
@@ -140,18 +227,18 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         "both" => (true, true),
         other => bail!("--runs must be cold, warm or both, not `{other}`"),
     };
-    if a.prompt_tokens == 0 || a.gen_tokens == 0 {
-        bail!("--prompt-tokens and --gen-tokens must be at least 1");
+    if a.prompt_tokens == 0 || a.gen_tokens == 0 || a.prefill_chunk == 0 {
+        bail!("--prompt-tokens, --gen-tokens and --prefill-chunk must be at least 1");
     }
     let opts = a.engine.options()?;
     let started = Instant::now();
     let mut p = Pipeline::load_with(&a.model, &opts).with_context(|| format!("loading {}", a.model.display()))?;
     let load_seconds = started.elapsed().as_secs_f64();
     // Streaming: log the routing trace, to judge the cache against the optimal one on the same requests.
-    let tracer = (p.model.expert_counters().is_some())
+    let engine_source = (p.model.expert_counters().is_some())
         .then(|| p.model.expert_source())
-        .flatten()
-        .map(|s| Arc::new(TracingSource::new(s)));
+        .flatten();
+    let tracer = engine_source.clone().map(|s| Arc::new(TracingSource::new(s)));
     if let Some(t) = &tracer {
         p.model.set_expert_source(t.clone());
     }
@@ -194,15 +281,39 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         } else if !a.json {
             eprintln!("note: experts are resident (mmap); a cold run only drops the slot cache when streaming");
         }
-        runs.push(measure(m, "cold", &stream[..per_run], a.prompt_tokens, top_k, trace)?);
+        runs.push(measure(
+            m,
+            "cold",
+            &stream[..per_run],
+            a.prompt_tokens,
+            a.prefill_chunk,
+            top_k,
+            trace,
+        )?);
     }
     if warm {
         if !cold {
             // Warm up on the first half, measure on the second.
-            measure(m, "warmup", &stream[..per_run], a.prompt_tokens, top_k, trace)?;
+            measure(
+                m,
+                "warmup",
+                &stream[..per_run],
+                a.prompt_tokens,
+                a.prefill_chunk,
+                top_k,
+                trace,
+            )?;
         }
         let second = &stream[per_run..2 * per_run];
-        runs.push(measure(m, "warm", second, a.prompt_tokens, top_k, trace)?);
+        runs.push(measure(
+            m,
+            "warm",
+            second,
+            a.prompt_tokens,
+            a.prefill_chunk,
+            top_k,
+            trace,
+        )?);
     }
     let probe = Duration::from_secs_f64(a.probe_seconds.max(0.0));
     let disk_probe_gb_s = if probe.is_zero() {
@@ -211,11 +322,41 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         Some(disk_probe(&a.model, record_bytes, opts.io_depth, probe)?)
     };
     let dram_probe_gb_s = (!probe.is_zero()).then(|| sluice_runtime::cpu::dram_read_gbps(512 << 20, probe));
+    let fresh_memory_gb_s = (!probe.is_zero()).then(fresh_memory_probe).flatten();
     let slots = p.model.expert_slots();
-    if let (Some(t), Some(slots), Some(disk)) = (trace, slots, disk_probe_gb_s) {
+    // The bounds need the in-RAM compute of the same shape: the last run's tokens again, served by twins.
+    let last = if warm { per_run..2 * per_run } else { 0..per_run };
+    let in_ram = match (&engine_source, slots, disk_probe_gb_s) {
+        (Some(engine), Some(slots), Some(_)) => {
+            let twins = (slots / moe_layers.max(1)).min(16).min(m.info.num_experts);
+            if twins < top_k {
+                None
+            } else {
+                p.model.set_expert_source(Arc::new(TwinSource {
+                    inner: engine.clone(),
+                    twins,
+                }));
+                let m = &p.model;
+                let tokens = &stream[last];
+                // Loads every twin: a few dozen tokens route to more than `twins` experts in each layer.
+                let warmup = tokens.len().min(64);
+                measure(m, "twins", &tokens[..warmup], warmup - 1, a.prefill_chunk, top_k, None)?;
+                let r = measure(m, "in-ram", tokens, a.prompt_tokens, a.prefill_chunk, top_k, None)?;
+                p.model.set_expert_source(tracer.clone().map_or(engine.clone(), |t| t));
+                Some(InRam {
+                    prefill_tok_s: r.prefill_tok_s,
+                    decode_tok_s: r.decode_tok_s,
+                    twins_per_layer: twins,
+                })
+            }
+        }
+        _ => None,
+    };
+    let m = &p.model;
+    if let (Some(t), Some(slots), Some(disk), Some(ram)) = (trace, slots, disk_probe_gb_s, &in_ram) {
         let requests = t.requests();
         for r in &mut runs {
-            judge_against_optimal(r, &requests, slots, record_bytes, disk);
+            judge_against_optimal(r, &requests, slots, record_bytes, disk, ram);
         }
     }
     let report = Report {
@@ -228,6 +369,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         expert_bytes_per_token: record_bytes * (top_k * moe_layers) as u64,
         cache_slots: slots,
         io_depth: opts.io_depth,
+        prefill_chunk: a.prefill_chunk,
         direct_io: m.memory_plan.direct_io,
         prefetch: match m.prefetch() {
             (PrefetchMode::None, _) => "none".to_string(),
@@ -237,32 +379,65 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         load_seconds,
         disk_probe_gb_s,
         dram_probe_gb_s,
+        fresh_memory_gb_s,
+        in_ram,
         runs,
     };
     Ok(report)
 }
 
-/// Fills in run `r`'s optimal-cache misses and the bound they set: those misses read at `disk_gb_s`,
-/// overlapped with the run's own compute (its decode time minus I/O wait).
-fn judge_against_optimal(r: &mut RunReport, requests: &[RecordKey], slots: usize, record_bytes: u64, disk_gb_s: f64) {
-    let Some(range) = r.decode_requests.clone() else {
+/// Fills in run `r`'s bounds for prefill and decode: the misses an optimal cache of `slots` would have on
+/// the phase's part of `requests`, read at `disk_gb_s`, overlapped with the phase's in-RAM compute.
+fn judge_against_optimal(
+    r: &mut RunReport,
+    requests: &[RecordKey],
+    slots: usize,
+    record_bytes: u64,
+    disk_gb_s: f64,
+    ram: &InRam,
+) {
+    let Some([prefill, decode]) = r.trace_ranges.clone() else {
         return;
     };
-    let gen = r.gen_tokens as f64;
-    let misses = optimal_misses(&requests[..range.end], slots, range) as f64 / gen;
-    let io = misses * record_bytes as f64 / (disk_gb_s * 1e9);
-    let compute = r.decode_ms_per_token / 1e3 * (1.0 - r.io_wait_share);
-    r.optimal_misses_per_token = Some(misses);
-    r.bound_tok_s = Some(1.0 / io.max(compute));
-    r.bound_limit = Some(if io > compute { "disk" } else { "compute" }.into());
+    let bound = |range: std::ops::Range<usize>, tokens: usize, tok_s: f64, ram_tok_s: f64| {
+        let tokens = tokens as f64;
+        let misses = optimal_misses(&requests[..range.end], slots, range) as f64;
+        let io = misses * record_bytes as f64 / (disk_gb_s * 1e9);
+        let compute = tokens / ram_tok_s;
+        let tok_s_bound = tokens / io.max(compute);
+        Bound {
+            optimal_misses_per_token: misses / tokens,
+            tok_s: tok_s_bound,
+            limit: if io > compute { "disk" } else { "compute" }.into(),
+            achieved: tok_s / tok_s_bound,
+        }
+    };
+    r.prefill_bound = Some(bound(prefill, r.prompt_tokens, r.prefill_tok_s, ram.prefill_tok_s));
+    r.decode_bound = Some(bound(decode, r.gen_tokens, r.decode_tok_s, ram.decode_tok_s));
 }
 
-/// Prefill `tokens[..prompt]` in one pass (chunks of 512), then decode the rest one token at a time.
+/// First touch of 1 GiB of fresh anonymous memory, GB/s (the kernel zeroes each page; a virtual machine
+/// may also have its host back it first), or `None` if it cannot be mapped.
+fn fresh_memory_probe() -> Option<f64> {
+    const LEN: usize = 1 << 30;
+    let mut slot = SlotBuf::allocate(1, LEN)?;
+    let buf = slot[0].as_mut_slice();
+    let t = Instant::now();
+    for page in buf.chunks_mut(4096) {
+        page[0] = 1;
+    }
+    std::hint::black_box(&buf[..]);
+    Some(LEN as f64 / t.elapsed().as_secs_f64() / 1e9)
+}
+
+/// Prefill `tokens[..prompt]` in passes of `chunk` tokens, then decode the rest one token at a time.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn measure(
     m: &DecoderModel,
     name: &str,
     tokens: &[u32],
     prompt: usize,
+    chunk: usize,
     top_k: usize,
     trace: Option<&TracingSource>,
 ) -> Result<RunReport> {
@@ -274,17 +449,14 @@ pub(crate) fn measure(
     let mut cache = m.new_cache();
     let snap = || counters.as_ref().map(|c| c.snapshot()).unwrap_or_default();
     let (prefill_counters, prefill_parts) = (snap(), m.profile().snapshot());
+    let prefill_start = trace.map_or(0, TracingSource::len);
     let t0 = Instant::now();
-    for chunk in tokens[..prompt].chunks(512) {
+    for chunk in tokens[..prompt].chunks(chunk.max(1)) {
         m.forward(chunk, &mut cache, &opts)?;
     }
     let prefill = t0.elapsed();
-    let prefill_split = time_split(
-        m,
-        &prefill_parts,
-        snap().since(&prefill_counters).io_wait_seconds,
-        prefill.as_secs_f64(),
-    );
+    let p = snap().since(&prefill_counters);
+    let prefill_split = time_split(m, &prefill_parts, p.io_wait_seconds, prefill.as_secs_f64());
     let before = counters.as_ref().map(|c| c.snapshot());
     let parts_before = m.profile().snapshot();
     let decode_start = trace.map_or(0, TracingSource::len);
@@ -320,10 +492,12 @@ pub(crate) fn measure(
         prefetch_accuracy: c.prefetch_accuracy(),
         prefetch_wasted_bytes: c.prefetch_wasted_bytes,
         guess_precision: m.guess_precision(),
-        decode_requests: trace.map(|t| decode_start..t.len()),
-        optimal_misses_per_token: None,
-        bound_tok_s: None,
-        bound_limit: None,
+        prefill_read_bytes_per_token: p.bytes_read() as f64 / prompt as f64,
+        prefill_hit_rate: p.hit_rate(),
+        prefill_io_wait_share: p.io_wait_seconds / prefill.as_secs_f64(),
+        trace_ranges: trace.map(|t| [prefill_start..decode_start, decode_start..t.len()]),
+        prefill_bound: None,
+        decode_bound: None,
         prefill_split,
         decode_split,
         decode_counters: d,
@@ -444,6 +618,12 @@ fn print_table(r: &Report) {
     if let Some(d) = r.dram_probe_gb_s {
         println!("DRAM probe: {d:.1} GB/s");
     }
+    if let Some(f) = r.fresh_memory_gb_s {
+        println!(
+            "fresh memory: {f:.2} GB/s first touch ({:.2} CPU-seconds per GB of cache slots filled for the first time)",
+            1.0 / f
+        );
+    }
     println!(
         "{:<6} {:>10} {:>10} {:>9} {:>12} {:>7} {:>8} {:>9} {:>8} {:>8} {:>6} {:>9} {:>8}",
         "run",
@@ -488,14 +668,36 @@ fn print_table(r: &Report) {
             println!("{} {what} time: {}", x.run, parts.join(" | "));
         }
     }
+    if let Some(ram) = &r.in_ram {
+        println!(
+            "in-RAM compute of the same shape: prefill {:.2} tok/s, decode {:.2} tok/s ({} records per layer \
+             kept in RAM serve every request)",
+            ram.prefill_tok_s, ram.decode_tok_s, ram.twins_per_layer
+        );
+    }
     for x in &r.runs {
-        if let (Some(b), Some(limit), Some(misses)) = (x.bound_tok_s, &x.bound_limit, x.optimal_misses_per_token) {
+        if x.prefill_read_bytes_per_token > 0.0 {
             println!(
-                "{} bound: {b:.2} tok/s ({limit}: an optimal cache of these slots misses {misses:.1} records per token \
-                 on this trace, read at the disk probe, overlapped with this run's compute); achieved {:.0}%",
+                "{} prefill reads: {:.1} MB/token, hit {:.1}%, io wait {:.0}% (chunks of {})",
                 x.run,
-                100.0 * x.decode_tok_s / b
+                x.prefill_read_bytes_per_token / 1e6,
+                100.0 * x.prefill_hit_rate,
+                100.0 * x.prefill_io_wait_share,
+                r.prefill_chunk
             );
+        }
+        for (what, bound) in [("prefill", &x.prefill_bound), ("decode", &x.decode_bound)] {
+            if let Some(b) = bound {
+                println!(
+                    "{} {what} bound: {:.2} tok/s ({}: an optimal cache of these slots misses {:.1} records per \
+                     token on this trace, read at the disk probe, overlapped with the in-RAM compute); achieved {:.0}%",
+                    x.run,
+                    b.tok_s,
+                    b.limit,
+                    b.optimal_misses_per_token,
+                    100.0 * b.achieved
+                );
+            }
         }
     }
     if let (Some(disk), Some(w)) = (r.disk_probe_gb_s, r.runs.first()) {

@@ -138,6 +138,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
                 &format!("k={}", q.top_k),
                 &ids[..prompt + n],
                 prompt,
+                sluice_runtime::DEFAULT_PREFILL_CHUNK,
                 q.top_k,
                 None,
             )?)

@@ -106,7 +106,7 @@ struct GenerateArgs {
         short = 'b',
         long,
         alias = "batch-size",
-        default_value_t = 512,
+        default_value_t = sluice_runtime::DEFAULT_PREFILL_CHUNK,
         env = "SLUICE_PREFILL_CHUNK"
     )]
     prefill_chunk: usize,

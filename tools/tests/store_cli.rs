@@ -84,20 +84,34 @@ fn bench_reports_runs_and_probes_as_json() {
         "-n",
         "4",
         "--expert-cache",
-        "64K",
+        "128K",
         "--probe-seconds",
         "0.2",
+        "-b",
+        "3",
         "--json",
     ]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["mode"], "stream");
+    assert_eq!(v["prefill_chunk"], 3);
     assert_eq!(v["runs"].as_array().unwrap().len(), 2);
+    // Streamed: each phase of each run is judged against the optimal cache and the in-RAM compute.
+    let ram = &v["in_ram"];
+    assert!(ram["prefill_tok_s"].as_f64().unwrap() > 0.0 && ram["decode_tok_s"].as_f64().unwrap() > 0.0);
     for r in v["runs"].as_array().unwrap() {
         assert!(r["decode_tok_s"].as_f64().unwrap() > 0.0);
         assert!(r["read_bytes_per_token"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["prefill_read_bytes_per_token"].as_f64().unwrap() > 0.0, "{r}");
+        for phase in ["prefill_bound", "decode_bound"] {
+            let b = &r[phase];
+            assert!(b["tok_s"].as_f64().unwrap() > 0.0, "{phase}: {b}");
+            assert!(b["optimal_misses_per_token"].as_f64().unwrap() >= 0.0, "{phase}: {b}");
+            assert!(["disk", "compute"].contains(&b["limit"].as_str().unwrap()), "{phase}: {b}");
+        }
     }
     assert!(v["disk_probe_gb_s"].as_f64().unwrap() > 0.0);
     assert!(v["dram_probe_gb_s"].as_f64().unwrap() > 0.0);
+    assert!(v["fresh_memory_gb_s"].as_f64().unwrap() > 0.0);
     let (out, _) = ok(&[
         "bench",
         "-m",

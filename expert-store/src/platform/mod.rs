@@ -252,10 +252,18 @@ mod tests {
         assert!(peak + page_size() >= rss, "peak {peak} < now {rss}");
         #[cfg(target_os = "linux")]
         {
+            // The same number the kernel gives, give or take what moved in between (a busy neighbour can
+            // move hundreds of MB of page cache between two reads: ask a few times).
+            let close = (0..5).any(|_| {
+                let text = std::fs::read_to_string("/proc/meminfo").unwrap();
+                let want = meminfo_bytes(&text, "MemAvailable").unwrap();
+                available_memory().unwrap().abs_diff(want) < 256 << 20
+            });
+            assert!(
+                close,
+                "available_memory() never within 256 MB of /proc/meminfo's MemAvailable"
+            );
             let text = std::fs::read_to_string("/proc/meminfo").unwrap();
-            let want = meminfo_bytes(&text, "MemAvailable").unwrap();
-            // The same number the kernel gives, give or take what moved in between.
-            assert!(avail.abs_diff(want) < 256 << 20, "{avail} vs {want}");
             assert_eq!(total, meminfo_bytes(&text, "MemTotal").unwrap());
             assert_eq!(gpu_working_set_limit(), None);
         }
