@@ -93,6 +93,10 @@ pub struct StoreCounters {
     pub prefetch_wasted_bytes: AtomicU64,
     /// Queued prefetches dropped unread because their layer was fetched without them.
     pub prefetch_cancelled: AtomicU64,
+    /// Experts the model guessed decode steps' layers ahead would use (scored guesses, read or not).
+    pub guessed: AtomicU64,
+    /// Of those, the experts the layers then used.
+    pub guessed_used: AtomicU64,
     /// Time decode steps spent blocked on reads (nanoseconds).
     pub io_wait_ns: AtomicU64,
     /// Sum of the durations of all reads (nanoseconds).
@@ -118,6 +122,8 @@ impl StoreCounters {
             prefetch_wasted: self.prefetch_wasted.load(Relaxed),
             prefetch_wasted_bytes: self.prefetch_wasted_bytes.load(Relaxed),
             prefetch_cancelled: self.prefetch_cancelled.load(Relaxed),
+            guessed: self.guessed.load(Relaxed),
+            guessed_used: self.guessed_used.load(Relaxed),
             io_wait_seconds: self.io_wait_ns.load(Relaxed) as f64 * 1e-9,
             read_busy_seconds: self.read_busy_ns.load(Relaxed) as f64 * 1e-9,
             read_active_seconds: self.read_active_ns.load(Relaxed) as f64 * 1e-9,
@@ -141,6 +147,8 @@ pub struct CounterSnapshot {
     pub prefetch_wasted: u64,
     pub prefetch_wasted_bytes: u64,
     pub prefetch_cancelled: u64,
+    pub guessed: u64,
+    pub guessed_used: u64,
     pub io_wait_seconds: f64,
     pub read_busy_seconds: f64,
     pub read_active_seconds: f64,
@@ -162,6 +170,8 @@ impl CounterSnapshot {
             prefetch_wasted: self.prefetch_wasted - earlier.prefetch_wasted,
             prefetch_wasted_bytes: self.prefetch_wasted_bytes - earlier.prefetch_wasted_bytes,
             prefetch_cancelled: self.prefetch_cancelled - earlier.prefetch_cancelled,
+            guessed: self.guessed - earlier.guessed,
+            guessed_used: self.guessed_used - earlier.guessed_used,
             io_wait_seconds: self.io_wait_seconds - earlier.io_wait_seconds,
             read_busy_seconds: self.read_busy_seconds - earlier.read_busy_seconds,
             read_active_seconds: self.read_active_seconds - earlier.read_active_seconds,

@@ -269,7 +269,13 @@ impl<B: Backend> Model<B> {
                     let mut predict = || self.predict_ahead(i, &x, ks, seqs, decode);
                     let (f, plan) = moe.forward(be, &b, ks, &mut predict, &self.profile)?;
                     if decode && self.prefetch != PrefetchMode::None {
-                        self.guess_book().score(i, &plan.used);
+                        let (guessed, used) = self.guess_book().score(i, &plan.used);
+                        if let Some(c) = moe.experts.counters().filter(|_| guessed > 0) {
+                            c.guessed
+                                .fetch_add(guessed as u64, std::sync::atomic::Ordering::Relaxed);
+                            c.guessed_used
+                                .fetch_add(used as u64, std::sync::atomic::Ordering::Relaxed);
+                        }
                     }
                     let lasts = spans.iter().map(|s| plan.routes[s.rows.end - 1].0.clone()).collect();
                     last_experts.push((i, lasts));

@@ -65,15 +65,18 @@ impl GuessBook {
         self.pending[layer].extend_from_slice(guess);
     }
 
-    /// Scores the pending guess for `layer` against the experts it used (ascending).
-    pub fn score(&mut self, layer: usize, used: &[usize]) {
+    /// Scores the pending guess for `layer` against the experts it used (ascending); returns (guessed,
+    /// used) expert counts.
+    pub fn score(&mut self, layer: usize, used: &[usize]) -> (usize, usize) {
         let Some(guess) = self.pending.get_mut(layer).filter(|g| !g.is_empty()) else {
-            return;
+            return (0, 0);
         };
         let right = guess.iter().filter(|e| used.binary_search(e).is_ok()).count();
         self.right = self.right * DECAY + right as f64;
         self.guessed = self.guessed * DECAY + guess.len() as f64;
+        let guessed = guess.len();
         guess.clear();
+        (guessed, right)
     }
 
     /// Recent share of guessed experts that were used (`None` before any was scored).

@@ -48,6 +48,9 @@ struct StoreMetrics {
     prefetch_issued: IntCounter,
     prefetch_hits: IntCounter,
     prefetch_wasted_bytes: IntCounter,
+    prefetch_cancelled: IntCounter,
+    guessed: IntCounter,
+    guessed_used: IntCounter,
     read_errors: IntCounter,
     io_wait: prometheus::Counter,
     read_latency: Histogram,
@@ -151,6 +154,18 @@ impl Metrics {
                     "sluice_expert_prefetch_wasted_bytes_total",
                     "Bytes of prefetched records evicted unused",
                 ),
+                prefetch_cancelled: counter(
+                    "sluice_expert_prefetch_cancelled_total",
+                    "Queued prefetches dropped unread because their layer was fetched without them",
+                ),
+                guessed: counter(
+                    "sluice_expert_guessed_total",
+                    "Experts guessed for decode steps' layers ahead (read or not)",
+                ),
+                guessed_used: counter(
+                    "sluice_expert_guessed_used_total",
+                    "Guessed experts the layers then used (guess precision = rate of this / rate of guessed)",
+                ),
                 read_errors: counter("sluice_expert_read_errors_total", "Expert reads that failed"),
                 io_wait: prometheus::Counter::new(
                     "sluice_expert_io_wait_seconds_total",
@@ -198,6 +213,9 @@ impl Metrics {
                 Box::new(s.prefetch_issued.clone()),
                 Box::new(s.prefetch_hits.clone()),
                 Box::new(s.prefetch_wasted_bytes.clone()),
+                Box::new(s.prefetch_cancelled.clone()),
+                Box::new(s.guessed.clone()),
+                Box::new(s.guessed_used.clone()),
                 Box::new(s.read_errors.clone()),
                 Box::new(s.io_wait.clone()),
                 Box::new(s.read_latency.clone()),
@@ -239,6 +257,9 @@ impl StoreMetrics {
         self.prefetch_issued.inc_by(d.prefetch_issued);
         self.prefetch_hits.inc_by(d.prefetch_hits);
         self.prefetch_wasted_bytes.inc_by(d.prefetch_wasted_bytes);
+        self.prefetch_cancelled.inc_by(d.prefetch_cancelled);
+        self.guessed.inc_by(d.guessed);
+        self.guessed_used.inc_by(d.guessed_used);
         self.read_errors.inc_by(d.read_errors);
         self.io_wait.inc_by(d.io_wait_seconds.max(0.0));
         // Replays each new read into the histogram at its bucket's upper bound (the store keeps only counts).

@@ -106,7 +106,10 @@ fn bench_reports_runs_and_probes_as_json() {
             let b = &r[phase];
             assert!(b["tok_s"].as_f64().unwrap() > 0.0, "{phase}: {b}");
             assert!(b["optimal_misses_per_token"].as_f64().unwrap() >= 0.0, "{phase}: {b}");
-            assert!(["disk", "compute"].contains(&b["limit"].as_str().unwrap()), "{phase}: {b}");
+            assert!(
+                ["disk", "compute"].contains(&b["limit"].as_str().unwrap()),
+                "{phase}: {b}"
+            );
         }
     }
     assert!(v["disk_probe_gb_s"].as_f64().unwrap() > 0.0);

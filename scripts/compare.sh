@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# sluice beside llama.cpp on the same weights, in one run, with this machine's limits probed in the same run.
+# The project's copy of ../shared/peers/compare.sh (same models, same flags, same measurements) with one addition:
+# `large` also measures warm decode (llama.cpp: a second run right after the cold one, its page cache holding
+# what fits; sluice: bench's warm run after its cold one), and prints sluice's bounds (bench's optimal-cache
+# bound and in-RAM compute of the same shape).
+#   compare.sh medium   : 7.7 B Qwen3-MoE (H2048, 24 layers, 64 experts top-8), 4.35 GB: fits in RAM
+#   compare.sh large    : 51.7 B (48 layers, 224 experts top-8), 29 GB: bigger than a 24 GB machine's RAM
+# Needs a release build of sluice (SLUICE=path, default target/release/sluice), root (drops the page cache) and
+# the peers kit (PEERS=dir with setup.sh and make_medium_model.py, default ../shared/peers beside the repo).
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+PEERS=${PEERS:-$HERE/../../shared/peers}
+source "$PEERS/setup.sh"
+PRESET=${1:?usage: compare.sh medium|large}
+SLUICE=${SLUICE:-target/release/sluice}
+[ -x "$SLUICE" ] || { echo "no sluice binary at $SLUICE (cargo build --release, or set SLUICE)"; exit 1; }
+M="$PEERS_DIR/models"; R="$PEERS_DIR/results"; mkdir -p "$M" "$R"
+case $PRESET in
+  medium) GEN=(--preset medium); NAME=medium ;;
+  large) GEN=(--preset large --exp w=12); NAME=large-w12 ;;
+  *) echo "unknown preset $PRESET"; exit 1 ;;
+esac
+MLX="$M/$NAME-mlx"; GGUF="$M/$NAME-q4_0.gguf"
+[ -f "$MLX/config.json" ] && [ -f "$GGUF" ] || "$PY" "$PEERS/make_medium_model.py" "${GEN[@]}" --mlx-out "$MLX" --gguf-out "$GGUF"
+OUT="$R/$NAME-$(date +%Y%m%dT%H%M)"; mkdir -p "$OUT"
+drop() { sync; echo 3 > /proc/sys/vm/drop_caches; }
+quiet() { local a b; for _ in $(seq 60); do a=($(head -1 /proc/stat)); sleep 2; b=($(head -1 /proc/stat))
+  local t=0 i; for i in 1 2 3 4 5 6 7 8; do t=$((t + b[i] - a[i])); done
+  [ $(( (b[4] - a[4]) * 100 / t )) -ge 90 ] && return; done; echo "warning: machine not idle" >&2; }
+if [ "$PRESET" = medium ]; then
+  quiet; "$LLAMA_BIN/llama-bench" -m "$GGUF" -t "$(nproc)" -p 512 -n 64 -r 3 -o json > "$OUT/llama.json"
+  quiet; "$LLAMA_BIN/llama-bench" -m "$GGUF" -t "$(nproc)" -p 0 -n 32 -d 512 -r 2 -o json > "$OUT/llama-d512.json"
+  quiet; "$SLUICE" bench -m "$MLX" -p 16 -n 64 --runs warm --json ${SLUICE_FLAGS:-} > "$OUT/sluice.json"
+  quiet; "$SLUICE" bench -m "$MLX" -p 512 -n 32 --runs warm --json ${SLUICE_FLAGS:-} > "$OUT/sluice-d512.json"
+else
+  # llama.cpp cannot repack (copy) 29 GB into 24 GB of RAM: weights stay in the mmap
+  quiet; drop; "$LLAMA_BIN/llama-bench" -m "$GGUF" -t "$(nproc)" -p 0 -n 32 -r 1 --repack 0 -o json > "$OUT/llama.json"
+  "$LLAMA_BIN/llama-bench" -m "$GGUF" -t "$(nproc)" -p 0 -n 32 -r 1 --repack 0 -o json > "$OUT/llama-warm.json"
+  quiet; drop; "$SLUICE" bench -m "$MLX" -p 16 -n 32 --runs both --json ${SLUICE_FLAGS:-} > "$OUT/sluice.json"
+fi
+"$PY" - "$OUT" "$PRESET" <<'PY'
+import json, sys, os
+out, preset = sys.argv[1], sys.argv[2]
+ll = json.load(open(f"{out}/llama.json")); sl = json.load(open(f"{out}/sluice.json"))
+tg = max(r["avg_ts"] for r in ll if r["n_gen"] > 0)
+pp = [r["avg_ts"] for r in ll if r["n_prompt"] > 0]
+runs = {r["run"]: r for r in sl["runs"]}
+rows = []
+if preset == "medium":
+    run = runs["warm"]
+    rows.append(("decode tok/s (short prompt)", tg, run["decode_tok_s"]))
+    deep = json.load(open(f"{out}/sluice-d512.json"))["runs"][-1]
+    rows.append(("decode tok/s, 512 tokens deep", json.load(open(f"{out}/llama-d512.json"))[0]["avg_ts"],
+                 deep["decode_tok_s"]))
+    rows.append(("prefill tok/s, 512-token prompt", max(pp), deep["prefill_tok_s"]))
+else:
+    warm = json.load(open(f"{out}/llama-warm.json"))[0]["avg_ts"]
+    rows.append(("decode tok/s, cold", tg, runs["cold"]["decode_tok_s"]))
+    rows.append(("decode tok/s, warm", warm, runs["warm"]["decode_tok_s"]))
+lines = [f"# {preset}: sluice beside llama.cpp ({os.path.basename(out)})", "",
+         "| | llama.cpp | sluice | sluice ÷ llama.cpp |", "|---|---|---|---|"]
+lines += [f"| {n} | {a:.2f} | {b:.2f} | {b / a:.2f} |" for n, a, b in rows]
+lines += ["", f"sluice mode {sl['mode']}, disk probe {sl.get('disk_probe_gb_s') or 0:.2f} GB/s, "
+          f"DRAM probe {sl.get('dram_probe_gb_s') or 0:.1f} GB/s, fresh memory {sl.get('fresh_memory_gb_s') or 0:.2f} GB/s"]
+ram = sl.get("in_ram")
+if ram:
+    lines.append(f"in-RAM compute of the same shape: prefill {ram['prefill_tok_s']:.2f}, decode {ram['decode_tok_s']:.2f} tok/s")
+for name, run in runs.items():
+    b = run.get("decode_bound")
+    bound = f", bound {b['tok_s']:.2f} tok/s ({b['limit']}), achieved {b['achieved']:.0%}" if b else ""
+    lines.append(f"{name}: read {run['read_bytes_per_token'] / 1e6:.0f} MB/token at {run['read_gb_s']:.2f} GB/s, "
+                 f"hit rate {run['hit_rate']:.2f}, I/O wait {run['io_wait_share']:.0%}{bound}")
+lines += ["", "raw: llama*.json, sluice*.json beside this file"]
+open(f"{out}/report.md", "w").write("\n".join(lines) + "\n")
+print("\n".join(lines))
+PY
+echo "report: $OUT/report.md"
