@@ -201,9 +201,16 @@ fn next_layer_guesses_beat_chance_on_the_trained_models() {
             // The store's counters (what /metrics exports) see the same guesses: 80 decode steps, each
             // guessing `ahead` layers (fewer at the top), top-k or more experts each.
             let scored = 80 * (m.info.moe_layers - ahead) * m.info.default_top_k;
-            assert!(c.guessed as usize >= scored, "{name}: {} guessed, want >= {scored}", c.guessed);
+            assert!(
+                c.guessed as usize >= scored,
+                "{name}: {} guessed, want >= {scored}",
+                c.guessed
+            );
             let counted = c.guessed_used as f64 / c.guessed as f64;
-            assert!(counted > 2.0 * chance, "{name}, {ahead} ahead: counters say {counted:.2}");
+            assert!(
+                counted > 2.0 * chance,
+                "{name}, {ahead} ahead: counters say {counted:.2}"
+            );
         }
     }
 }

@@ -199,6 +199,29 @@ impl Isa {
         }
     }
 
+    /// `out[c] += Σ_j w[j]·v[j·stride + c]` (attention's probability-weighted sum of value rows), each
+    /// element's terms added in `j` order, multiply then add: the same bits on every instruction set.
+    #[inline]
+    pub fn weighted_rows(self, out: &mut [f32], w: &[f32], v: &[f32], stride: usize) {
+        let Some(last) = w.len().checked_sub(1) else {
+            return;
+        };
+        assert!(
+            last * stride + out.len() <= v.len(),
+            "weighted_rows: {} rows of {} at stride {stride} overrun {} values",
+            w.len(),
+            out.len(),
+            v.len()
+        );
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => x86::weighted_rows_avx2(out, w, v, stride),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => x86::weighted_rows_avx512(out, w, v, stride),
+            _ => scalar::weighted_rows(out, w, v, stride),
+        }
+    }
+
     /// Unpacks `out.len()` codes of `bits` bits from the start of a packed row into f32 values.
     #[inline]
     pub fn unpack(self, bits: u32, packed: &[u8], out: &mut [f32]) {

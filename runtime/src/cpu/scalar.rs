@@ -21,6 +21,15 @@ pub(super) fn unpack(bits: u32, packed: &[u8], out: &mut [f32]) {
     }
 }
 
+/// `out[c] += Σ_j w[j]·v[j·stride + c]`, each element's terms added in `j` order, multiply then add.
+pub(super) fn weighted_rows(out: &mut [f32], w: &[f32], v: &[f32], stride: usize) {
+    for (j, &p) in w.iter().enumerate() {
+        for (acc, x) in out.iter_mut().zip(&v[j * stride..]) {
+            *acc += p * x;
+        }
+    }
+}
+
 /// The oracle: dequantize each weight `w = scale·q + bias` and sum `w·x` in order, one token at a time.
 pub fn reference_matmul(w: &MatRef<'_>, x: &[f32], n: usize, y: &mut [f32]) {
     let (rows, cols) = (w.rows(), w.cols());

@@ -737,3 +737,79 @@ unsafe fn bf16_to_f32_impl(src: &[u8], out: &mut [f32]) {
         out[j] = f32::from_bits((u16::from_le_bytes([src[2 * j], src[2 * j + 1]]) as u32) << 16);
     }
 }
+
+/// [`super::scalar::weighted_rows`] with 16-wide registers holding up to 64 outputs across all rows
+/// (a separate multiply and add, as the scalar loop: the same bits).
+pub(super) fn weighted_rows_avx512(out: &mut [f32], w: &[f32], v: &[f32], stride: usize) {
+    // SAFETY: `Isa::Avx512` is only selected after `is_x86_feature_detected!("avx512f")` returned true; the
+    // caller checked that every row `j < w.len()` has `out.len()` values at `j·stride` in `v`.
+    unsafe { weighted_rows_avx512_impl(out, w, v, stride) }
+}
+
+#[target_feature(enable = "avx512f")]
+unsafe fn weighted_rows_avx512_impl(out: &mut [f32], w: &[f32], v: &[f32], stride: usize) {
+    let (d, po, pv) = (out.len(), out.as_mut_ptr(), v.as_ptr());
+    let mut c = 0;
+    while c + 64 <= d {
+        let mut a = [0; 4].map(|_| _mm512_setzero_ps());
+        for (i, a) in a.iter_mut().enumerate() {
+            *a = _mm512_loadu_ps(po.add(c + 16 * i));
+        }
+        for (j, &p) in w.iter().enumerate() {
+            let (p, row) = (_mm512_set1_ps(p), pv.add(j * stride + c));
+            for (i, a) in a.iter_mut().enumerate() {
+                *a = _mm512_add_ps(*a, _mm512_mul_ps(p, _mm512_loadu_ps(row.add(16 * i))));
+            }
+        }
+        for (i, a) in a.iter().enumerate() {
+            _mm512_storeu_ps(po.add(c + 16 * i), *a);
+        }
+        c += 64;
+    }
+    while c + 16 <= d {
+        let mut a = _mm512_loadu_ps(po.add(c));
+        for (j, &p) in w.iter().enumerate() {
+            a = _mm512_add_ps(
+                a,
+                _mm512_mul_ps(_mm512_set1_ps(p), _mm512_loadu_ps(pv.add(j * stride + c))),
+            );
+        }
+        _mm512_storeu_ps(po.add(c), a);
+        c += 16;
+    }
+    if c < d {
+        super::scalar::weighted_rows(&mut out[c..], w, &v[c..], stride);
+    }
+}
+
+/// [`weighted_rows_avx512`] with 8-wide registers.
+pub(super) fn weighted_rows_avx2(out: &mut [f32], w: &[f32], v: &[f32], stride: usize) {
+    // SAFETY: `Isa::Avx2`/`Isa::Avx512` are only selected after `is_x86_feature_detected!("avx2")` returned
+    // true; the caller checked that every row `j < w.len()` has `out.len()` values at `j·stride` in `v`.
+    unsafe { weighted_rows_avx2_impl(out, w, v, stride) }
+}
+
+#[target_feature(enable = "avx2")]
+unsafe fn weighted_rows_avx2_impl(out: &mut [f32], w: &[f32], v: &[f32], stride: usize) {
+    let (d, po, pv) = (out.len(), out.as_mut_ptr(), v.as_ptr());
+    let mut c = 0;
+    while c + 32 <= d {
+        let mut a = [0; 4].map(|_| _mm256_setzero_ps());
+        for (i, a) in a.iter_mut().enumerate() {
+            *a = _mm256_loadu_ps(po.add(c + 8 * i));
+        }
+        for (j, &p) in w.iter().enumerate() {
+            let (p, row) = (_mm256_set1_ps(p), pv.add(j * stride + c));
+            for (i, a) in a.iter_mut().enumerate() {
+                *a = _mm256_add_ps(*a, _mm256_mul_ps(p, _mm256_loadu_ps(row.add(8 * i))));
+            }
+        }
+        for (i, a) in a.iter().enumerate() {
+            _mm256_storeu_ps(po.add(c + 8 * i), *a);
+        }
+        c += 32;
+    }
+    if c < d {
+        super::scalar::weighted_rows(&mut out[c..], w, &v[c..], stride);
+    }
+}
