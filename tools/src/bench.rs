@@ -35,15 +35,8 @@ pub struct BenchArgs {
     /// Feed the tokens of this text file instead of random ids (a replayed, realistic stream).
     #[arg(long)]
     text: Option<PathBuf>,
-    /// Prompt tokens per prefill pass, as `sluice run -b`.
-    #[arg(
-        short = 'b',
-        long,
-        alias = "batch-size",
-        default_value_t = sluice_runtime::DEFAULT_PREFILL_CHUNK,
-        env = "SLUICE_PREFILL_CHUNK"
-    )]
-    prefill_chunk: usize,
+    #[command(flatten)]
+    prefill: crate::PrefillArgs,
     /// Experts per token (default: the model's own).
     #[arg(long, env = "SLUICE_TOP_K")]
     top_k: Option<usize>,
@@ -227,9 +220,10 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         "both" => (true, true),
         other => bail!("--runs must be cold, warm or both, not `{other}`"),
     };
-    if a.prompt_tokens == 0 || a.gen_tokens == 0 || a.prefill_chunk == 0 {
-        bail!("--prompt-tokens, --gen-tokens and --prefill-chunk must be at least 1");
+    if a.prompt_tokens == 0 || a.gen_tokens == 0 {
+        bail!("--prompt-tokens and --gen-tokens must be at least 1");
     }
+    let chunk = a.prefill.chunk()?;
     let opts = a.engine.options()?;
     let started = Instant::now();
     let mut p = Pipeline::load_with(&a.model, &opts).with_context(|| format!("loading {}", a.model.display()))?;
@@ -286,7 +280,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
             "cold",
             &stream[..per_run],
             a.prompt_tokens,
-            a.prefill_chunk,
+            chunk,
             top_k,
             trace,
         )?);
@@ -294,26 +288,10 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
     if warm {
         if !cold {
             // Warm up on the first half, measure on the second.
-            measure(
-                m,
-                "warmup",
-                &stream[..per_run],
-                a.prompt_tokens,
-                a.prefill_chunk,
-                top_k,
-                trace,
-            )?;
+            measure(m, "warmup", &stream[..per_run], a.prompt_tokens, chunk, top_k, trace)?;
         }
         let second = &stream[per_run..2 * per_run];
-        runs.push(measure(
-            m,
-            "warm",
-            second,
-            a.prompt_tokens,
-            a.prefill_chunk,
-            top_k,
-            trace,
-        )?);
+        runs.push(measure(m, "warm", second, a.prompt_tokens, chunk, top_k, trace)?);
     }
     let probe = Duration::from_secs_f64(a.probe_seconds.max(0.0));
     let disk_probe_gb_s = if probe.is_zero() {
@@ -340,8 +318,8 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
                 let tokens = &stream[last];
                 // Loads every twin: a few dozen tokens route to more than `twins` experts in each layer.
                 let warmup = tokens.len().min(64);
-                measure(m, "twins", &tokens[..warmup], warmup - 1, a.prefill_chunk, top_k, None)?;
-                let r = measure(m, "in-ram", tokens, a.prompt_tokens, a.prefill_chunk, top_k, None)?;
+                measure(m, "twins", &tokens[..warmup], warmup - 1, chunk, top_k, None)?;
+                let r = measure(m, "in-ram", tokens, a.prompt_tokens, chunk, top_k, None)?;
                 p.model.set_expert_source(tracer.clone().map_or(engine.clone(), |t| t));
                 Some(InRam {
                     prefill_tok_s: r.prefill_tok_s,
@@ -369,7 +347,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         expert_bytes_per_token: record_bytes * (top_k * moe_layers) as u64,
         cache_slots: slots,
         io_depth: opts.io_depth,
-        prefill_chunk: a.prefill_chunk,
+        prefill_chunk: chunk,
         direct_io: m.memory_plan.direct_io,
         prefetch: match m.prefetch() {
             (PrefetchMode::None, _) => "none".to_string(),

@@ -101,15 +101,8 @@ struct GenerateArgs {
     /// Lower the context limit (default: the model's max_position_embeddings).
     #[arg(short = 'c', long, env = "SLUICE_CTX_SIZE")]
     ctx_size: Option<usize>,
-    /// Prompt tokens per prefill pass (bounds memory on long prompts; results do not depend on it).
-    #[arg(
-        short = 'b',
-        long,
-        alias = "batch-size",
-        default_value_t = sluice_runtime::DEFAULT_PREFILL_CHUNK,
-        env = "SLUICE_PREFILL_CHUNK"
-    )]
-    prefill_chunk: usize,
+    #[command(flatten)]
+    prefill: PrefillArgs,
     /// Compute threads (default: all cores).
     #[arg(short = 't', long, env = "SLUICE_THREADS")]
     threads: Option<usize>,
@@ -138,10 +131,32 @@ fn main() -> Result<()> {
     }
 }
 
-fn generate(a: GenerateArgs) -> Result<()> {
-    if a.prefill_chunk == 0 {
-        bail!("--prefill-chunk must be at least 1");
+/// How prompts are cut into prefill passes (generate, bench).
+#[derive(clap::Args, Clone, Debug)]
+pub(crate) struct PrefillArgs {
+    /// Prompt tokens per prefill pass (bounds memory on long prompts; results do not depend on it).
+    #[arg(
+        short = 'b',
+        long,
+        alias = "batch-size",
+        default_value_t = sluice_runtime::DEFAULT_PREFILL_CHUNK,
+        env = "SLUICE_PREFILL_CHUNK"
+    )]
+    prefill_chunk: usize,
+}
+
+impl PrefillArgs {
+    /// The chunk size, checked.
+    pub(crate) fn chunk(&self) -> Result<usize> {
+        if self.prefill_chunk == 0 {
+            bail!("--prefill-chunk must be at least 1");
+        }
+        Ok(self.prefill_chunk)
     }
+}
+
+fn generate(a: GenerateArgs) -> Result<()> {
+    let prefill_chunk = a.prefill.chunk()?;
     set_threads(a.threads)?;
     let params = GenerateParams {
         max_tokens: a.max_tokens,
@@ -159,7 +174,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
         expert_top_k: a.top_k,
         ignore_eos: a.ignore_eos,
         context_limit: a.ctx_size,
-        prefill_chunk: a.prefill_chunk,
+        prefill_chunk,
     };
     // Cheap checks before a load that may take minutes.
     params.sampling.validate()?;
