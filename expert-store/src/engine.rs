@@ -86,7 +86,8 @@ struct Queue {
     in_flight: usize,
     active_since: Option<Instant>,
     shutdown: bool,
-    /// The layer fetched last: prefetches are read in order of their layer's distance after it.
+    /// The layer fetched last: prefetches are read in order of their layer's distance after it, and
+    /// eviction spares the layers that come right after it.
     focus: usize,
     /// One past the highest layer with records (the cycle of that distance).
     layer_cycle: usize,
@@ -98,13 +99,18 @@ impl Queue {
         if let Some(j) = self.demand.pop_front() {
             return Some(j);
         }
-        let (focus, cycle) = (self.focus, self.layer_cycle.max(1));
-        let distance = |j: &Job| (j.key.0 + cycle - focus % cycle) % cycle;
+        let (focus, cycle) = (self.focus, self.layer_cycle);
         let best = (self.prefetch.iter().enumerate())
-            .min_by_key(|(i, j)| (distance(j), *i))
+            .min_by_key(|(i, j)| (layers_after(focus, j.key.0, cycle), *i))
             .map(|(i, _)| i)?;
         self.prefetch.remove(best)
     }
+}
+
+/// How many layers after `focus` layer `layer` comes, in a cycle of `cycle` layers (0 for `focus` itself).
+fn layers_after(focus: usize, layer: usize, cycle: usize) -> usize {
+    let cycle = cycle.max(1);
+    (layer + cycle - focus % cycle) % cycle
 }
 
 /// The cache's entries: one LRU list per layer, so the victim search walks layers by distance.
@@ -151,8 +157,10 @@ impl Entries {
     /// How far ahead `layer` comes back after `focus`, the layer fetched last: 1 for the next layer, the whole
     /// cycle for `focus` itself (its records not in use now are next wanted by the next token or chunk).
     fn distance(&self, focus: usize, layer: usize) -> usize {
-        let cycle = self.layers.len();
-        (layer + cycle - focus % cycle - 1) % cycle + 1
+        match layers_after(focus, layer, self.layers.len()) {
+            0 => self.layers.len(),
+            d => d,
+        }
     }
 
     /// The entry `evictable` allows whose layer comes back last, but after `beyond` layers; least recently
@@ -170,8 +178,6 @@ impl Entries {
 struct State {
     entries: Entries,
     free: Vec<Arc<SlotBuf>>,
-    /// The layer fetched last (eviction spares the layers that come right after it).
-    focus: usize,
 }
 
 struct Inner {
@@ -228,7 +234,6 @@ impl StreamingSource {
             state: Mutex::new(State {
                 entries: Entries::new(layer_cycle),
                 free,
-                focus: 0,
             }),
             arrived: Condvar::new(),
             queue: Mutex::new(Queue {
@@ -358,13 +363,15 @@ impl Inner {
         if let Some(b) = st.free.pop() {
             return Some(b);
         }
-        // A guess may evict records of its own layer (least recently used first), not of layers before it.
+        // Eviction spares the layers right after the one fetched last (the queue's focus). A guess may evict
+        // records of its own layer (least recently used first), not of layers before it.
+        let focus = lock(&self.queue).focus;
         let beyond = if for_prefetch {
-            st.entries.distance(st.focus, key.0) - 1
+            st.entries.distance(focus, key.0) - 1
         } else {
             0
         };
-        let victim = st.entries.victim(st.focus, beyond, |e| match &e.state {
+        let victim = st.entries.victim(focus, beyond, |e| match &e.state {
             SlotState::Ready(b) => Arc::strong_count(b) == 1 && e.waiters == 0 && !(for_prefetch && e.unused_prefetch),
             _ => false,
         })?;
@@ -406,7 +413,6 @@ impl Inner {
     /// Makes `layer` the focus of the prefetch order and cancels its queued prefetches of experts not in
     /// `wanted`.
     fn cancel_prefetches(&self, st: &mut State, layer: usize, wanted: &[usize]) {
-        st.focus = layer;
         lock(&self.queue).focus = layer;
         self.drop_queued_prefetches(st, layer, wanted);
     }

@@ -270,7 +270,7 @@ impl<B: Backend> Model<B> {
                     let (f, plan) = moe.forward(be, &b, ks, &mut predict, &self.profile)?;
                     if decode && self.prefetch != PrefetchMode::None {
                         let (guessed, used) = self.guess_book().score(i, &plan.used);
-                        if let Some(c) = moe.experts.counters().filter(|_| guessed > 0) {
+                        if let Some(c) = (guessed > 0).then(|| moe.experts.counters()).flatten() {
                             c.guessed
                                 .fetch_add(guessed as u64, std::sync::atomic::Ordering::Relaxed);
                             c.guessed_used

@@ -320,7 +320,9 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
                 let warmup = tokens.len().min(64);
                 measure(m, "twins", &tokens[..warmup], warmup - 1, chunk, top_k, None)?;
                 let r = measure(m, "in-ram", tokens, a.prompt_tokens, chunk, top_k, None)?;
-                p.model.set_expert_source(tracer.clone().map_or(engine.clone(), |t| t));
+                if let Some(t) = &tracer {
+                    p.model.set_expert_source(t.clone());
+                }
                 Some(InRam {
                     prefill_tok_s: r.prefill_tok_s,
                     decode_tok_s: r.decode_tok_s,
