@@ -76,7 +76,7 @@ impl<B: Backend> Attention<B> {
 
     /// `[n, hidden]` normalized input → `[n, hidden]`; appends each sequence's keys and values to its cache.
     pub fn forward(&self, be: &B, x: &B::Tensor, spans: &[SeqSpan], kv: &mut [&mut B::Kv]) -> Result<B::Tensor> {
-        let mut q = be.matmul(&self.q, x)?;
+        let [mut q, mut k, v] = be.matmul_each([&self.q, &self.k, &self.v], x)?;
         let gate = match &self.gate_columns {
             Some((query, gate)) => {
                 let g = be.take_columns(&q, gate)?;
@@ -85,8 +85,6 @@ impl<B: Backend> Attention<B> {
             }
             None => None,
         };
-        let mut k = be.matmul(&self.k, x)?;
-        let v = be.matmul(&self.v, x)?;
         if let Some((qn, kn)) = &self.qk_norm {
             q = be.rms_norm(&q, qn, self.eps)?;
             k = be.rms_norm(&k, kn, self.eps)?;

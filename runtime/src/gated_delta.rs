@@ -168,10 +168,11 @@ impl<B: Backend> GatedDeltaNet<B> {
         let start = Instant::now();
         let (qkv, z, b, a) = match &self.proj {
             InProj::Split { qkv, z, b, a } => {
-                (be.matmul(qkv, x)?, be.matmul(z, x)?, be.matmul(b, x)?, be.matmul(a, x)?)
+                let [qkv, z, b, a] = be.matmul_each([qkv, z, b, a], x)?;
+                (qkv, z, b, a)
             }
             InProj::Grouped { qkvz, ba, cols } => {
-                let (mixed, mixed_ba) = (be.matmul(qkvz, x)?, be.matmul(ba, x)?);
+                let [mixed, mixed_ba] = be.matmul_each([qkvz, ba], x)?;
                 (
                     be.take_columns(&mixed, &cols[0])?,
                     be.take_columns(&mixed, &cols[1])?,

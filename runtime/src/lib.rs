@@ -29,6 +29,7 @@ pub mod quant;
 pub mod sampling;
 pub mod sequence;
 pub mod text;
+pub mod threads;
 pub mod weights;
 
 pub use convert::convert_model;

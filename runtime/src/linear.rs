@@ -2,7 +2,7 @@
 
 use expert_store::OwnedBytes;
 
-use crate::cpu::{DenseMatrix, FloatType, Isa, MatRef, QuantMatrix};
+use crate::cpu::{matmul_many, DenseMatrix, FloatType, Isa, MatRef, QuantMatrix};
 
 /// How a weight matrix is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,13 +100,24 @@ impl Linear {
 
     /// [`Linear::forward`], with rows split across threads only when `parallel` (the result is the same).
     pub fn forward_with(&self, isa: Isa, x: &[f32], n: usize, parallel: bool) -> Vec<f32> {
-        let mut y = vec![0f32; n * self.rows];
-        self.mat().matmul_with(isa, x, n, &mut y, parallel);
-        if let Some(b) = &self.bias {
-            for row in y.chunks_mut(self.rows) {
-                row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+        Self::forward_many(&[self], isa, x, n, parallel)
+            .pop()
+            .expect("one matrix, one output")
+    }
+
+    /// [`Linear::forward_with`] of each matrix in `ls` by the same `x`, in one pass (see [`matmul_many`]).
+    pub fn forward_many(ls: &[&Linear], isa: Isa, x: &[f32], n: usize, parallel: bool) -> Vec<Vec<f32>> {
+        let mut ys: Vec<Vec<f32>> = ls.iter().map(|l| vec![0f32; n * l.rows]).collect();
+        let mats: Vec<MatRef<'_>> = ls.iter().map(|l| l.mat()).collect();
+        let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
+        matmul_many(isa, &mats, x, n, &mut outs, parallel);
+        for (y, l) in ys.iter_mut().zip(ls) {
+            if let Some(b) = &l.bias {
+                for row in y.chunks_mut(l.rows) {
+                    row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+                }
             }
         }
-        y
+        ys
     }
 }

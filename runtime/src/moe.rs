@@ -142,7 +142,8 @@ impl<B: Backend> Mlp<B> {
 
     /// `[n, hidden]` → `[n, hidden]`.
     pub fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
-        let g = be.swiglu(&be.matmul(&self.gate, x)?, &be.matmul(&self.up, x)?)?;
+        let [g, u] = be.matmul_each([&self.gate, &self.up], x)?;
+        let g = be.swiglu(&g, &u)?;
         be.matmul(&self.down, &g)
     }
 }

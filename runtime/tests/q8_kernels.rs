@@ -12,6 +12,12 @@ use sluice_runtime::cpu::{pack_codes, FloatType, Isa, MatRef, QuantMatrix};
 use sluice_runtime::{load_model, ForwardOptions};
 
 #[test]
+fn matmul_many_equals_each_matrix_alone_with_the_int8_kernels() {
+    set_q8_activations(true);
+    common::assert_matmul_many_equals_each_alone();
+}
+
+#[test]
 fn matmul_matches_the_int8_oracle_for_every_shape() {
     set_q8_activations(true);
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);

@@ -54,15 +54,22 @@ pub enum SubmitError {
 }
 
 impl EngineHandle {
-    /// Starts the engine thread with a queue of `capacity` waiting jobs.
-    pub fn start(pipeline: Pipeline, capacity: usize, metrics: Arc<Metrics>) -> Self {
+    /// Starts the engine thread, computing on `threads` (`None`: all cores), with a queue of `capacity` waiting
+    /// jobs.
+    pub fn start(pipeline: Pipeline, capacity: usize, threads: Option<usize>, metrics: Arc<Metrics>) -> Self {
         let (tx, rx) = sync_channel(capacity.max(1));
         let waiting = Arc::new(AtomicUsize::new(0));
         let running = Arc::new(AtomicUsize::new(0));
         let (w, r) = (Arc::clone(&waiting), Arc::clone(&running));
         std::thread::Builder::new()
             .name("sluice-engine".into())
-            .spawn(move || run(pipeline, rx, w, r, metrics))
+            .spawn(move || {
+                // The engine thread computes as the first worker of its own pool (see `threads`).
+                let _pool = sluice_runtime::threads::join_compute_pool(threads)
+                    .map_err(|e| tracing::warn!("compute threads: {e}; kernels run on the global pool"))
+                    .ok();
+                run(pipeline, rx, w, r, metrics)
+            })
             .expect("spawning the engine thread");
         Self { tx, waiting, running }
     }

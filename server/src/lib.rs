@@ -34,6 +34,8 @@ pub struct ServerConfig {
     pub max_queue: usize,
     /// Experts per token (`None`: the model's own); requests may lower it.
     pub top_k: Option<usize>,
+    /// Compute threads of the engine (`None`: all cores).
+    pub threads: Option<usize>,
 }
 
 /// The router over `state`.
@@ -83,7 +85,7 @@ pub async fn serve(
     let m = &pipeline.model;
     let cache_bytes = m.expert_slots().unwrap_or(0) as u64 * m.expert_slot_len().unwrap_or(0) as u64;
     let metrics = Metrics::new(top_k, m.expert_counters(), cache_bytes);
-    let engine = EngineHandle::start(pipeline, cfg.max_queue, Arc::clone(&metrics));
+    let engine = EngineHandle::start(pipeline, cfg.max_queue, cfg.threads, Arc::clone(&metrics));
     let _ = state.loaded.set(Loaded {
         engine,
         metrics,

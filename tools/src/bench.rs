@@ -202,7 +202,7 @@ impl ExpertSource for TwinSource {
 
 /// Runs `sluice bench`.
 pub fn run(a: BenchArgs) -> Result<()> {
-    crate::set_threads(a.threads)?;
+    let _pool = crate::compute_pool(a.threads)?;
     let report = measure_all(&a)?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report)?);

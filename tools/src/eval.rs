@@ -80,7 +80,7 @@ struct Report {
 
 /// Runs `sluice eval`.
 pub fn run(a: EvalArgs) -> Result<()> {
-    crate::set_threads(a.threads)?;
+    let _pool = crate::compute_pool(a.threads)?;
     let text = std::fs::read_to_string(&a.text).with_context(|| format!("reading {}", a.text.display()))?;
     let mut opts = a.engine.options()?;
     opts.context = Some(a.ctx);

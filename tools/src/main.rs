@@ -157,7 +157,7 @@ impl PrefillArgs {
 
 fn generate(a: GenerateArgs) -> Result<()> {
     let prefill_chunk = a.prefill.chunk()?;
-    set_threads(a.threads)?;
+    let _pool = compute_pool(a.threads)?;
     let params = GenerateParams {
         max_tokens: a.max_tokens,
         sampling: SamplingParams {
@@ -228,18 +228,12 @@ fn generate(a: GenerateArgs) -> Result<()> {
     Ok(())
 }
 
-/// Sizes the global compute pool (`None`: all cores).
-fn set_threads(threads: Option<usize>) -> Result<()> {
-    if let Some(n) = threads {
-        if n == 0 {
-            bail!("--threads must be at least 1");
-        }
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build_global()
-            .context("setting up the thread pool")?;
+/// Makes this thread the first of a compute pool of `threads` (`None`: all cores), kept while the command runs.
+fn compute_pool(threads: Option<usize>) -> Result<rayon::ThreadPool> {
+    if threads == Some(0) {
+        bail!("--threads must be at least 1");
     }
-    Ok(())
+    sluice_runtime::threads::join_compute_pool(threads).context("setting up the compute threads")
 }
 
 fn rate(n: usize, t: Duration) -> f64 {

@@ -75,7 +75,7 @@ impl FixtureResult {
 
 /// Runs `sluice selftest`; fails (non-zero exit) naming every fixture that did not pass.
 pub fn run(a: SelftestArgs) -> Result<()> {
-    crate::set_threads(a.threads)?;
+    let _pool = crate::compute_pool(a.threads)?;
     let backend = a.backend.unwrap_or_else(BackendKind::default_for_build);
     let root = find_fixtures(a.fixtures.as_deref())?;
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)

@@ -41,7 +41,9 @@ pub struct ServeArgs {
 
 /// Runs `sluice serve` until SIGINT or SIGTERM.
 pub fn run(a: ServeArgs) -> Result<()> {
-    crate::set_threads(a.threads)?;
+    if a.threads == Some(0) {
+        bail!("--threads must be at least 1");
+    }
     if a.max_queue == 0 {
         bail!("--max-queue must be at least 1");
     }
@@ -61,6 +63,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         model_id: model_id.clone(),
         max_queue: a.max_queue,
         top_k: a.top_k,
+        threads: a.threads,
     };
     let model = a.model.clone();
     let load = move || {

@@ -313,6 +313,17 @@ impl Backend for CpuBackend {
         })
     }
 
+    fn matmuls(&self, ws: &[&Linear], x: &CpuTensor) -> Result<Vec<CpuTensor>> {
+        if ws.iter().any(|w| w.cols != x.cols) {
+            return Err(shape_error("matmul input width differs from the matrix"));
+        }
+        Ok(Linear::forward_many(ws, Isa::detect(), &x.data, x.rows(), true)
+            .into_iter()
+            .zip(ws)
+            .map(|(data, w)| CpuTensor { data, cols: w.rows })
+            .collect())
+    }
+
     fn rms_norm(&self, x: &CpuTensor, w: &Vec<f32>, eps: f32) -> Result<CpuTensor> {
         if w.is_empty() || !x.cols.is_multiple_of(w.len()) {
             return Err(shape_error("norm width does not divide the rows"));
@@ -428,8 +439,9 @@ impl Backend for CpuBackend {
         let run = |j: &ExpertJob<Self>| {
             let [gate, up, down] = &j.mats;
             let m = j.x.rows();
-            let mut g = gate.forward_with(isa, &j.x.data, m, !per_expert);
-            let u = up.forward_with(isa, &j.x.data, m, !per_expert);
+            let [mut g, u]: [Vec<f32>; 2] = Linear::forward_many(&[gate, up], isa, &j.x.data, m, !per_expert)
+                .try_into()
+                .expect("two matrices, two outputs");
             ops::swiglu(&mut g, &u);
             CpuTensor {
                 data: down.forward_with(isa, &g, m, !per_expert),

@@ -15,7 +15,7 @@ use std::ops::Range;
 
 use expert_store::ExpertRecord;
 
-use crate::error::Result;
+use crate::error::{ModelError, Result};
 use crate::gated_delta::{DeltaParams, DeltaShape};
 use crate::linear::Linear;
 use crate::ops::{AttnShape, Rope};
@@ -141,6 +141,20 @@ pub trait Backend: Sized + Send + 'static {
     // --- math ---
     /// `x · Wᵀ` (+ bias): `[n, in]` → `[n, out]`.
     fn matmul(&self, w: &Self::Matrix, x: &Self::Tensor) -> Result<Self::Tensor>;
+    /// [`Backend::matmul`] of each matrix in `ws` by the same `x`, the same results; a backend may share the
+    /// input's preparation and one parallel pass among them.
+    fn matmuls(&self, ws: &[&Self::Matrix], x: &Self::Tensor) -> Result<Vec<Self::Tensor>> {
+        ws.iter().map(|w| self.matmul(w, x)).collect()
+    }
+    /// [`Backend::matmuls`] of a fixed number of matrices.
+    fn matmul_each<const N: usize>(&self, ws: [&Self::Matrix; N], x: &Self::Tensor) -> Result<[Self::Tensor; N]>
+    where
+        Self: Sized,
+    {
+        self.matmuls(&ws, x)?
+            .try_into()
+            .map_err(|_| ModelError::Backend("matmuls returned a different number of outputs".into()))
+    }
     /// RMSNorm of each `w.len()`-wide chunk of every row (a row, or each head of a row).
     fn rms_norm(&self, x: &Self::Tensor, w: &Self::Vector, eps: f32) -> Result<Self::Tensor>;
     /// `a + b`.
@@ -185,7 +199,8 @@ pub trait Backend: Sized + Send + 'static {
         jobs.into_iter()
             .map(|j| {
                 let [gate, up, down] = &j.mats;
-                let h = self.swiglu(&self.matmul(gate, &j.x)?, &self.matmul(up, &j.x)?)?;
+                let [g, u] = self.matmul_each([gate, up], &j.x)?;
+                let h = self.swiglu(&g, &u)?;
                 self.matmul(down, &h)
             })
             .collect()

@@ -313,86 +313,48 @@ impl MatRef<'_> {
     /// [`MatRef::matmul`], with rows split across threads only when `parallel` (callers that already run
     /// one matrix per thread pass `false`). The result is the same either way.
     pub fn matmul_with(&self, isa: Isa, x: &[f32], n: usize, y: &mut [f32], parallel: bool) {
-        let (rows, cols) = (self.rows(), self.cols());
-        assert_eq!(x.len(), n * cols, "matmul input shape");
-        assert_eq!(y.len(), n * rows, "matmul output shape");
-        if n == 0 || rows == 0 {
-            return;
-        }
-        // Per-token group sums of x, for the bias term.
-        let group = match self {
-            MatRef::Quant(q) => q.group,
-            MatRef::Dense(_) => cols,
-        };
-        let xsum: Vec<f32> = x.chunks(group).map(|c| c.iter().sum()).collect();
-        let q8k = match self {
+        matmul_many(isa, &[*self], x, n, &mut [y], parallel);
+    }
+
+    /// How this matrix wants its activations prepared on `isa`.
+    fn activation_layout(&self, isa: Isa) -> ActivationLayout {
+        let q8 = match self {
             MatRef::Quant(q) if q8::q8_activations() && cfg!(target_arch = "x86_64") => {
                 q8::Q8Kernel::for_matrix(q, isa)
             }
             _ => None,
         };
-        let acts = q8k.map(|k| (k, q8::quantize(x, n, cols, k)));
-        let fused = if q8k.is_some() { None } else { self.fused_kernel(isa) };
-        #[cfg(target_arch = "x86_64")]
-        let permuted;
-        let xp: &[f32] = match fused {
-            #[cfg(target_arch = "x86_64")]
-            Some((avx512, 4)) => {
-                let mut v = vec![0f32; x.len()];
-                x86::permute_for_q4(x86::q4_chunk(avx512), x, &mut v);
-                permuted = v;
-                &permuted
-            }
-            _ => x,
-        };
-        // Results are produced row-major by weight row ([rows, n]) so that threads write disjoint chunks.
-        let mut yt = if n == 1 { Vec::new() } else { vec![0f32; rows * n] };
-        let out: &mut [f32] = if n == 1 { y } else { &mut yt };
-        // Few, large tasks: a decode step runs hundreds of matmuls, and each task costs a wake-up.
-        let parallel = parallel && rows * cols >= PAR_MIN_ELEMS;
-        let tasks = if parallel { 2 * rayon::current_num_threads() } else { 1 };
-        let rows_per_task = rows.div_ceil(tasks).max(1);
-        let ctx = RowCtx {
-            isa,
-            fused,
-            x,
-            xp,
-            xsum: &xsum,
-            acts: acts.as_ref().map(|(k, a)| (*k, a)),
-        };
-        let run = |(task, chunk): (usize, &mut [f32])| {
-            // Scratch: the unpacked row, or (fused and int8 kernels) the row's scales (padded for 16-wide
-            // loads) and biases as f32.
-            let scratch = if fused.is_some() || q8k.is_some() {
-                2 * cols / group + 16
-            } else {
-                cols
-            };
-            let first = task * rows_per_task;
-            #[cfg(target_arch = "x86_64")]
-            if let (MatRef::Quant(q), Some((k, acts))) = (self, ctx.acts) {
-                return q8_task(q, k, acts, &ctx, first, n, chunk);
-            }
-            #[cfg(target_arch = "x86_64")]
-            if let (MatRef::Quant(q), Some((true, 4))) = (self, fused) {
-                return q4_block_task(q, &ctx, first, n, chunk);
-            }
-            let mut codes = vec![0f32; scratch];
-            for (i, out_row) in chunk.chunks_mut(n).enumerate() {
-                self.row_dot(&ctx, first + i, &mut codes, out_row);
-            }
-        };
-        if !parallel {
-            out.chunks_mut(rows_per_task * n).enumerate().for_each(run);
-        } else {
-            out.par_chunks_mut(rows_per_task * n).enumerate().for_each(run);
+        ActivationLayout {
+            group: match self {
+                MatRef::Quant(q) => q.group,
+                MatRef::Dense(d) => d.cols,
+            },
+            q8,
+            fused: if q8.is_some() { None } else { self.fused_kernel(isa) },
         }
-        if n > 1 {
-            for r in 0..rows {
-                for t in 0..n {
-                    y[t * rows + r] = yt[r * n + t];
-                }
-            }
+    }
+
+    /// One task: rows from `first` (`chunk` holds their `[rows, n]` outputs).
+    fn run_rows(&self, ctx: &RowCtx<'_>, first: usize, n: usize, chunk: &mut [f32]) {
+        let (cols, group) = (self.cols(), ctx.layout.group);
+        #[cfg(target_arch = "x86_64")]
+        if let (MatRef::Quant(q), Some(k), Some(acts)) = (self, ctx.layout.q8, ctx.acts) {
+            return q8_task(q, k, acts, ctx, first, n, chunk);
+        }
+        #[cfg(target_arch = "x86_64")]
+        if let (MatRef::Quant(q), Some((true, 4))) = (self, ctx.layout.fused) {
+            return q4_block_task(q, ctx, first, n, chunk);
+        }
+        // Scratch: the unpacked row, or (fused kernels) the row's scales (padded for 16-wide loads) and biases
+        // as f32.
+        let scratch = if ctx.layout.fused.is_some() {
+            2 * cols / group + 16
+        } else {
+            cols
+        };
+        let mut codes = vec![0f32; scratch];
+        for (i, out_row) in chunk.chunks_mut(n).enumerate() {
+            self.row_dot(ctx, first + i, &mut codes, out_row);
         }
     }
 
@@ -423,7 +385,7 @@ impl MatRef<'_> {
                 let packed = &q.packed[r * row_bytes..(r + 1) * row_bytes];
                 let gpr = cols / q.group;
                 #[cfg(target_arch = "x86_64")]
-                if let Some((avx512, bits)) = c.fused {
+                if let Some((avx512, bits)) = c.layout.fused {
                     let (scales, rest) = codes.split_at_mut(gpr);
                     let biases = &mut rest[..gpr];
                     q.scale_type.to_f32(q.scales, r * gpr, scales);
@@ -456,6 +418,150 @@ impl MatRef<'_> {
             }
         }
     }
+}
+
+/// `ys[i] = mats[i] · x` for matrices that share the input `x` (`[n, cols]`; `ys[i]` is `[n, rows_i]`): the
+/// activations are prepared (group sums, int8 quantization) once per layout the matrices want, and all their
+/// rows run in one parallel pass (split across threads only when `parallel`). Each `ys[i]` is what
+/// [`MatRef::matmul`] gives for `mats[i]` alone, bit for bit.
+pub fn matmul_many(isa: Isa, mats: &[MatRef<'_>], x: &[f32], n: usize, ys: &mut [&mut [f32]], parallel: bool) {
+    assert_eq!(mats.len(), ys.len(), "one output per matrix");
+    for (m, y) in mats.iter().zip(ys.iter()) {
+        assert_eq!(x.len(), n * m.cols(), "matmul input shape");
+        assert_eq!(y.len(), n * m.rows(), "matmul output shape");
+    }
+    if n == 0 || mats.iter().all(|m| m.rows() == 0) {
+        return;
+    }
+    // Activations, prepared once per distinct layout.
+    let layouts: Vec<ActivationLayout> = mats.iter().map(|m| m.activation_layout(isa)).collect();
+    let mut prepared: Vec<(ActivationLayout, PreparedActs)> = Vec::new();
+    let which: Vec<usize> = layouts
+        .iter()
+        .map(|l| {
+            prepared.iter().position(|(p, _)| p == l).unwrap_or_else(|| {
+                prepared.push((*l, PreparedActs::new(l, x, n)));
+                prepared.len() - 1
+            })
+        })
+        .collect();
+    // Results are produced row-major by weight row ([rows, n]) so that tasks write disjoint chunks.
+    let mut transposed: Vec<Vec<f32>> = if n == 1 {
+        Vec::new()
+    } else {
+        mats.iter().map(|m| vec![0f32; m.rows() * n]).collect()
+    };
+    let outs: Vec<&mut [f32]> = if n == 1 {
+        ys.iter_mut().map(|y| &mut **y).collect()
+    } else {
+        transposed.iter_mut().map(|v| v.as_mut_slice()).collect()
+    };
+    // Tasks of about equal work, ~4 per thread: few enough that each is worth its scheduling, enough that
+    // matrices of unequal sizes still share the threads evenly.
+    let total: usize = mats.iter().map(|m| m.rows() * m.cols()).sum();
+    let parallel = parallel && total >= PAR_MIN_ELEMS;
+    let target = if parallel { 4 * rayon::current_num_threads() } else { 1 };
+    let mut tasks: Vec<(usize, usize, &mut [f32])> = Vec::new();
+    for (i, (m, out)) in mats.iter().zip(outs).enumerate() {
+        let pieces = (m.rows() * m.cols() * target)
+            .div_ceil(total.max(1))
+            .clamp(1, m.rows().max(1));
+        let rows_per_task = m.rows().div_ceil(pieces).max(1);
+        for (j, chunk) in out.chunks_mut(rows_per_task * n).enumerate() {
+            tasks.push((i, j * rows_per_task, chunk));
+        }
+    }
+    let ctxs: Vec<RowCtx<'_>> = which
+        .iter()
+        .map(|&w| {
+            let (layout, p) = &prepared[w];
+            RowCtx {
+                isa,
+                layout: *layout,
+                x,
+                xp: p.permuted.as_deref().unwrap_or(x),
+                xsum: &p.xsum,
+                acts: p.quantized.as_ref(),
+            }
+        })
+        .collect();
+    let run = |(i, first, chunk): (usize, usize, &mut [f32])| mats[i].run_rows(&ctxs[i], first, n, chunk);
+    if parallel && tasks.len() > 1 {
+        tasks.into_par_iter().with_max_len(1).for_each(run);
+    } else {
+        tasks.into_iter().for_each(run);
+    }
+    for (y, yt) in ys.iter_mut().zip(&transposed) {
+        let rows = yt.len() / n;
+        for r in 0..rows {
+            for t in 0..n {
+                y[t * rows + r] = yt[r * n + t];
+            }
+        }
+    }
+}
+
+/// How a matrix wants its activations: group sums for the bias term, and int8 quantization or a reordering for
+/// its kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ActivationLayout {
+    /// Columns per bias group (a dense matrix's whole row).
+    group: usize,
+    /// The int8 kernel serving the matrix, if any.
+    q8: Option<q8::Q8Kernel>,
+    /// `(avx512, bits)` of the fused float kernel serving it, if any.
+    fused: Option<(bool, u32)>,
+}
+
+/// Activations prepared for one [`ActivationLayout`].
+struct PreparedActs {
+    /// Per-token group sums of `x`.
+    xsum: Vec<f32>,
+    /// `x` in the fused 4-bit kernel's lane order, when it wants that.
+    permuted: Option<Vec<f32>>,
+    /// `x` quantized for the int8 kernel, when one serves the matrix.
+    quantized: Option<q8::QuantActs>,
+}
+
+impl PreparedActs {
+    fn new(l: &ActivationLayout, x: &[f32], n: usize) -> Self {
+        let cols = x.len() / n;
+        #[cfg(target_arch = "x86_64")]
+        let permuted = match l.fused {
+            Some((avx512, 4)) => {
+                let mut v = vec![0f32; x.len()];
+                x86::permute_for_q4(x86::q4_chunk(avx512), x, &mut v);
+                Some(v)
+            }
+            _ => None,
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let permuted = None;
+        Self {
+            xsum: group_sums(x, l.group),
+            permuted,
+            quantized: l.q8.map(|k| q8::quantize(x, n, cols, k)),
+        }
+    }
+}
+
+/// The sum of each `group` consecutive values of `x` (`group` divides `x.len()`), added in eight interleaved
+/// partial sums then combined in a fixed order: vectorizable, and the same bits wherever a group sits.
+pub fn group_sums(x: &[f32], group: usize) -> Vec<f32> {
+    x.chunks(group)
+        .map(|g| {
+            let mut lanes = [0f32; 8];
+            let mut whole = g.chunks_exact(8);
+            for c in &mut whole {
+                for (l, v) in lanes.iter_mut().zip(c) {
+                    *l += v;
+                }
+            }
+            let head =
+                ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+            whole.remainder().iter().fold(head, |a, v| a + v)
+        })
+        .collect()
 }
 
 /// The fused AVX-512 4-bit kernel over one task's rows, several rows and tokens per pass.
@@ -535,17 +641,17 @@ fn q8_task(
 }
 
 /// Per-call state shared by every row of a matmul.
-// Only x86-64 has fused kernels so far; elsewhere `fused` is always `None` and `xp` is `x`.
+// Only x86-64 has fused and int8 kernels so far; elsewhere those fields are unused.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 struct RowCtx<'a> {
     isa: Isa,
-    fused: Option<(bool, u32)>,
+    layout: ActivationLayout,
     x: &'a [f32],
     /// `x` in the fused kernel's lane order (`x` itself when no reordering is needed).
     xp: &'a [f32],
     xsum: &'a [f32],
-    /// Int8-quantized activations and their kernel, when `--kernels q8` covers this matrix.
-    acts: Option<(q8::Q8Kernel, &'a q8::QuantActs)>,
+    /// Int8-quantized activations, when `--kernels q8` covers this matrix.
+    acts: Option<&'a q8::QuantActs>,
 }
 
 #[cfg(test)]

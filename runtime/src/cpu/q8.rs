@@ -97,9 +97,16 @@ pub(super) struct QuantActs {
     pub lane_d: Vec<f32>,
 }
 
-/// Quantizes one block: `d = max|x|/127`, `q = round(x/d)`.
+/// Quantizes one block: `d = max|x|/127`, `q = round(x/d)` (halves away from zero; NaN elements to 0).
 pub fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
-    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    // Eight lanes so the loops vectorize; `max` ignores NaN in any order, so the result is order-free.
+    let mut lanes = [0f32; 8];
+    for c in x.chunks(8) {
+        for (m, v) in lanes.iter_mut().zip(c) {
+            *m = m.max(v.abs());
+        }
+    }
+    let amax = lanes.iter().fold(0f32, |m, &v| m.max(v));
     if amax == 0.0 || !amax.is_finite() {
         q.fill(0);
         return if amax.is_finite() { 0.0 } else { f32::NAN };
@@ -107,9 +114,31 @@ pub fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
     let d = amax / 127.0;
     let inv = 1.0 / d;
     for (o, v) in q.iter_mut().zip(x) {
-        *o = (v * inv).round().clamp(-127.0, 127.0) as i8;
+        *o = round_to_i8(v * inv);
     }
     d
+}
+
+/// `v.round().clamp(-127, 127)` for `|v|` well below 2²³ (NaN gives 0), without a libm call: truncation, then
+/// a step away from zero when the exact remainder is a half or more.
+#[inline(always)]
+fn round_to_i8(v: f32) -> i8 {
+    let t = v as i32;
+    let rem = v - t as f32;
+    let r = t + i32::from(rem >= 0.5) - i32::from(rem <= -0.5);
+    r.clamp(-127, 127) as i8
+}
+
+/// Quantizes one token's `x` in natural order: codes to `q`, block scales to `d`.
+fn quantize_row(k: Q8Kernel, x: &[f32], q: &mut [i8], d: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if k.avx512 {
+        return super::x86::quantize_blocks_avx512(x, q, d);
+    }
+    let _ = k;
+    for (b, (xb, qb)) in x.chunks(BLOCK).zip(q.chunks_mut(BLOCK)).enumerate() {
+        d[b] = quantize_block(xb, qb);
+    }
 }
 
 /// Quantizes `x` (`[n, cols]`) for kernel `k`.
@@ -121,9 +150,7 @@ pub(super) fn quantize(x: &[f32], n: usize, cols: usize, k: Q8Kernel) -> QuantAc
     let mut d = vec![0f32; cols / BLOCK];
     for t in 0..n {
         let xt = &x[t * cols..(t + 1) * cols];
-        for (b, (xb, qb)) in xt.chunks(BLOCK).zip(natural.chunks_mut(BLOCK)).enumerate() {
-            d[b] = quantize_block(xb, qb);
-        }
+        quantize_row(k, xt, &mut natural, &mut d);
         let out = &mut xq[t * cols..(t + 1) * cols];
         if k.bits == 4 {
             let (chunk, half) = (k.chunk(), k.chunk() / 2);
@@ -160,4 +187,56 @@ pub fn reference_row(
         acc += scales[b * BLOCK / group] * d[b] * isum as f32;
     }
     acc + biases.iter().zip(xsum).map(|(b, s)| b * s).sum::<f32>()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounding_matches_round_half_away_from_zero() {
+        let mut v = -130.0f32;
+        while v <= 130.0 {
+            for x in [
+                v,
+                v + 0.5,
+                v - 0.5,
+                v + 0.49999997,
+                v - 0.49999997,
+                v.next_up(),
+                v.next_down(),
+            ] {
+                assert_eq!(round_to_i8(x), x.round().clamp(-127.0, 127.0) as i8, "{x}");
+            }
+            v += 0.25;
+        }
+        assert_eq!(round_to_i8(f32::NAN), 0);
+    }
+
+    #[test]
+    fn every_instruction_set_quantizes_the_same() {
+        let mut x: Vec<f32> = (0..32 * 40).map(|i| ((i * 7919) % 1000) as f32 / 37.0 - 13.0).collect();
+        // Halves exactly at the rounding boundary, zero and non-finite blocks, and a NaN among finite values.
+        for (i, v) in x[..32].iter_mut().enumerate() {
+            *v = (i as f32 - 16.0) + 0.5;
+        }
+        x[31] = 127.0;
+        x[32..64].fill(0.0);
+        x[64] = f32::INFINITY;
+        x[100] = f32::NAN;
+        x[130] = -0.0;
+        for k in [Q8Kernel { bits: 4, avx512: true }, Q8Kernel { bits: 4, avx512: false }] {
+            if k.avx512 && !vnni_available() {
+                continue;
+            }
+            let (mut q, mut d) = (vec![0i8; x.len()], vec![0f32; x.len() / BLOCK]);
+            quantize_row(k, &x, &mut q, &mut d);
+            for (b, (xb, qb)) in x.chunks(BLOCK).zip(q.chunks(BLOCK)).enumerate() {
+                let mut want = [0i8; BLOCK];
+                let wd = quantize_block(xb, &mut want);
+                assert_eq!(qb, want, "block {b} ({k:?})");
+                assert_eq!(d[b].to_bits(), wd.to_bits(), "scale of block {b} ({k:?})");
+            }
+        }
+    }
 }

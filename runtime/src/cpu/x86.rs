@@ -494,7 +494,7 @@ pub(super) fn q8_rows(
 
 /// How far ahead of the current code bytes the int8 kernels prefetch. A prefetch address past the end of the
 /// matrix is harmless (prefetches never fault).
-const PREFETCH_AHEAD: usize = 2048;
+const PREFETCH_AHEAD: usize = 4096;
 
 /// Lane → group index pattern: lane `i` covers columns `lane_cols·i ..`, in group `lane_cols·i / group`
 /// relative to the step's first group.
@@ -811,5 +811,59 @@ unsafe fn weighted_rows_avx2_impl(out: &mut [f32], w: &[f32], v: &[f32], stride:
     }
     if c < d {
         super::scalar::weighted_rows(&mut out[c..], w, &v[c..], stride);
+    }
+}
+
+/// [`super::q8::quantize_block`] over every 32-value block of `x` (`x.len()` a multiple of 32): codes to `q`,
+/// block scales to `d`, with the same results (AVX-512's max keeps the accumulator when a value is NaN, as
+/// `f32::max` ignores NaN; NaN values quantize to 0).
+pub(super) fn quantize_blocks_avx512(x: &[f32], q: &mut [i8], d: &mut [f32]) {
+    assert!(
+        x.len().is_multiple_of(32) && q.len() == x.len() && d.len() == x.len() / 32,
+        "quantize bounds"
+    );
+    assert!(
+        is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw"),
+        "AVX-512 F/BW"
+    );
+    // SAFETY: AVX-512 F/BW detected above; the assert bounds every 16-float load, 16-byte store and scale.
+    unsafe { quantize_blocks_avx512_impl(x, q, d) }
+}
+
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn quantize_blocks_avx512_impl(x: &[f32], q: &mut [i8], d: &mut [f32]) {
+    let sign = _mm512_set1_ps(-0.0);
+    let half = _mm512_set1_ps(0.5);
+    let (lo, hi) = (_mm512_set1_epi32(-127), _mm512_set1_epi32(127));
+    for (b, db) in d.iter_mut().enumerate() {
+        let p = x.as_ptr().add(32 * b);
+        let v = [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))];
+        let m = _mm512_max_ps(
+            _mm512_andnot_ps(sign, v[1]),
+            _mm512_max_ps(_mm512_andnot_ps(sign, v[0]), _mm512_setzero_ps()),
+        );
+        let amax = _mm512_reduce_max_ps(m);
+        let out = q.as_mut_ptr().add(32 * b);
+        if amax == 0.0 || !amax.is_finite() {
+            std::ptr::write_bytes(out, 0, 32);
+            *db = if amax.is_finite() { 0.0 } else { f32::NAN };
+            continue;
+        }
+        let scale = amax / 127.0;
+        let inv = _mm512_set1_ps(1.0 / scale);
+        for (j, v) in v.into_iter().enumerate() {
+            let s = _mm512_mul_ps(v, inv);
+            let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(s);
+            let rem = _mm512_sub_ps(s, t);
+            let up = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(rem, half);
+            let down = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(rem, _mm512_sub_ps(_mm512_setzero_ps(), half));
+            let ordered = _mm512_cmp_ps_mask::<_CMP_ORD_Q>(s, s);
+            let mut r = _mm512_maskz_cvttps_epi32(ordered, t);
+            r = _mm512_mask_add_epi32(r, up, r, _mm512_set1_epi32(1));
+            r = _mm512_mask_sub_epi32(r, down, r, _mm512_set1_epi32(1));
+            r = _mm512_min_epi32(_mm512_max_epi32(r, lo), hi);
+            _mm_storeu_si128(out.add(16 * j) as *mut __m128i, _mm512_cvtepi32_epi8(r));
+        }
+        *db = scale;
     }
 }

@@ -86,3 +86,98 @@ impl EvalGolden {
         p.tokenize(&sluice_runtime::Prompt::Raw(text)).unwrap()
     }
 }
+
+/// `matmul_many` over matrices of several layouts (4- and 8-bit of two group sizes, bf16 and f16 scales, a
+/// dense one, one big enough to split into several tasks) equals each matrix's `matmul` alone, bit for bit, for
+/// 1 to 5 tokens, in parallel and not: with whichever kernels the process has switched on.
+#[allow(dead_code)] // not every test binary uses it
+pub fn assert_matmul_many_equals_each_alone() {
+    use rand::{Rng, SeedableRng};
+    use sluice_runtime::cpu::{matmul_many, pack_codes, DenseMatrix, FloatType, Isa, MatRef, QuantMatrix};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let cols = 256;
+    struct Owned {
+        packed: Vec<u8>,
+        scales: Vec<u8>,
+        biases: Vec<u8>,
+        bits: u32,
+        group: usize,
+        rows: usize,
+        ty: FloatType,
+    }
+    let half = |v: f32, ty: FloatType| match ty {
+        FloatType::F16 => half::f16::from_f32(v).to_bits().to_le_bytes(),
+        _ => half::bf16::from_f32(v).to_bits().to_le_bytes(),
+    };
+    let mut owned: Vec<Owned> = Vec::new();
+    for &(bits, group, rows, ty) in &[
+        (4u32, 64usize, 300usize, FloatType::BF16),
+        (4, 32, 37, FloatType::F16),
+        (8, 64, 5, FloatType::BF16),
+        (8, 128, 64, FloatType::F16),
+        (4, 64, 1, FloatType::BF16),
+    ] {
+        let gpr = cols / group;
+        let codes: Vec<u32> = (0..rows * cols).map(|_| rng.gen_range(0..(1u32 << bits))).collect();
+        owned.push(Owned {
+            packed: pack_codes(bits, &codes),
+            scales: (0..rows * gpr)
+                .flat_map(|_| half(rng.gen_range(-0.1f32..0.1), ty))
+                .collect(),
+            biases: (0..rows * gpr)
+                .flat_map(|_| half(rng.gen_range(-1f32..1.0), ty))
+                .collect(),
+            bits,
+            group,
+            rows,
+            ty,
+        });
+    }
+    let dense: Vec<u8> = (0..9 * cols)
+        .flat_map(|_| half(rng.gen_range(-0.5f32..0.5), FloatType::BF16))
+        .collect();
+    let mut mats: Vec<MatRef<'_>> = owned
+        .iter()
+        .map(|o| {
+            MatRef::Quant(QuantMatrix {
+                packed: &o.packed,
+                scales: &o.scales,
+                biases: &o.biases,
+                scale_type: o.ty,
+                bits: o.bits,
+                group: o.group,
+                rows: o.rows,
+                cols,
+            })
+        })
+        .collect();
+    mats.insert(
+        2,
+        MatRef::Dense(DenseMatrix {
+            data: &dense,
+            dtype: FloatType::BF16,
+            rows: 9,
+            cols,
+        }),
+    );
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for isa in Isa::available() {
+        for n in 1..=5 {
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-3f32..3.0)).collect();
+            for parallel in [true, false] {
+                let mut ys: Vec<Vec<f32>> = mats.iter().map(|m| vec![0f32; n * m.rows()]).collect();
+                let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
+                matmul_many(isa, &mats, &x, n, &mut outs, parallel);
+                for (i, (m, y)) in mats.iter().zip(&ys).enumerate() {
+                    let mut alone = vec![0f32; n * m.rows()];
+                    m.matmul(isa, &x, n, &mut alone);
+                    assert_eq!(
+                        bits(y),
+                        bits(&alone),
+                        "matrix {i}, {isa:?}, {n} tokens, parallel {parallel}"
+                    );
+                }
+            }
+        }
+    }
+}
