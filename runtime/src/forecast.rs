@@ -345,7 +345,7 @@ pub fn matvec_probe(spec: Option<QuantSpec>, cols: usize, time: std::time::Durat
         None => WeightFormat::Dense(FloatType::BF16),
     };
     let group = match format {
-        WeightFormat::Affine { group, .. } => group,
+        WeightFormat::Affine { group, .. } | WeightFormat::Tiled { group, .. } => group,
         WeightFormat::Dense(_) => 1,
     };
     let cols = cols.max(group).next_multiple_of(group.max(32));

@@ -2,7 +2,7 @@
 
 use expert_store::OwnedBytes;
 
-use crate::cpu::{matmul_many, DenseMatrix, FloatType, Isa, MatRef, QuantMatrix};
+use crate::cpu::{matmul_many, tiled, DenseMatrix, FloatType, Isa, MatRef, QuantMatrix, TiledMatrix};
 
 /// How a weight matrix is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,13 +18,21 @@ pub enum WeightFormat {
         /// Element type of scales and biases.
         scale_type: FloatType,
     },
+    /// 4-bit MLX affine repacked into 16-row tiles for the cpu backend's int8 kernels (`crate::cpu::tiled`);
+    /// made at load from `Affine`, never stored.
+    Tiled {
+        /// Columns per group.
+        group: usize,
+        /// Element type of scales and biases.
+        scale_type: FloatType,
+    },
 }
 
 impl WeightFormat {
     /// Number of tensors that make up one matrix (weight [+ scales + biases]).
     pub fn parts(self) -> usize {
         match self {
-            WeightFormat::Dense(_) => 1,
+            WeightFormat::Dense(_) | WeightFormat::Tiled { .. } => 1,
             WeightFormat::Affine { .. } => 3,
         }
     }
@@ -52,6 +60,13 @@ impl WeightFormat {
                 rows,
                 cols,
             }),
+            WeightFormat::Tiled { group, scale_type } => MatRef::Tiled(TiledMatrix {
+                data: parts[0],
+                scale_type,
+                group,
+                rows,
+                cols,
+            }),
         }
     }
 
@@ -67,6 +82,7 @@ impl WeightFormat {
                 let sb = rows * (cols / group) * scale_type.size();
                 vec![rows * cols * bits as usize / 8, sb, sb]
             }
+            WeightFormat::Tiled { group, scale_type } => vec![tiled::tiled_len(rows, cols, group, scale_type)],
         }
     }
 }
@@ -87,6 +103,24 @@ pub struct Linear {
 }
 
 impl Linear {
+    /// This matrix in the tiled layout, when it is 4-bit affine with whole 32-column blocks per group.
+    pub fn tiled(&self) -> Option<Linear> {
+        let MatRef::Quant(q) = self.mat() else {
+            return None;
+        };
+        let data = tiled::tile(&q)?;
+        Some(Linear {
+            format: WeightFormat::Tiled {
+                group: q.group,
+                scale_type: q.scale_type,
+            },
+            rows: self.rows,
+            cols: self.cols,
+            parts: vec![OwnedBytes::from_vec(data)],
+            bias: self.bias.clone(),
+        })
+    }
+
     /// A kernel view of the matrix.
     pub fn mat(&self) -> MatRef<'_> {
         let parts: Vec<&[u8]> = self.parts.iter().map(|p| p.as_slice()).collect();

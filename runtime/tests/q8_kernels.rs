@@ -98,6 +98,105 @@ fn matmul_matches_the_int8_oracle_for_every_shape() {
     }
 }
 
+/// The tiled 4-bit kernel (resident matrices repacked into 16-row tiles) against the same oracle, for every
+/// scale type, partial last tiles and token counts that mix four-token passes with single ones; a batch
+/// equals its tokens alone, bit for bit, and the tiled matrix dequantizes to the untiled one's weights.
+#[test]
+fn tiled_matmul_matches_the_int8_oracle() {
+    use half::{bf16, f16};
+    use sluice_runtime::cpu::q8::tiled_kernel_on;
+    use sluice_runtime::cpu::tiled::tile;
+    use sluice_runtime::cpu::TiledMatrix;
+    set_q8_activations(true);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(17);
+    for &(group, rows, cols, n) in &[
+        (64usize, 16usize, 128usize, 1usize),
+        (64, 37, 256, 1),
+        (32, 5, 96, 3),
+        (128, 33, 256, 4),
+        (64, 300, 512, 9),
+        (64, 1, 64, 6),
+    ] {
+        let gpr = cols / group;
+        let codes: Vec<u32> = (0..rows * cols).map(|_| rng.gen_range(0..16)).collect();
+        // Values bf16 holds exactly (f16 and f32 too, at this range), so every scale type means the same weights.
+        let mut round = |lo: f32, hi: f32| bf16::from_f32(rng.gen_range(lo..hi)).to_f32();
+        let scales: Vec<f32> = (0..rows * gpr).map(|_| round(-0.1, 0.1)).collect();
+        let biases: Vec<f32> = (0..rows * gpr).map(|_| round(-1.0, 1.0)).collect();
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-3f32..3.0)).collect();
+        let packed = pack_codes(4, &codes);
+        for ty in [FloatType::F32, FloatType::F16, FloatType::BF16] {
+            let enc = |v: &[f32]| -> Vec<u8> {
+                v.iter()
+                    .flat_map(|&v| match ty {
+                        FloatType::F32 => v.to_le_bytes().to_vec(),
+                        FloatType::F16 => f16::from_f32(v).to_bits().to_le_bytes().to_vec(),
+                        FloatType::BF16 => bf16::from_f32(v).to_bits().to_le_bytes().to_vec(),
+                    })
+                    .collect()
+            };
+            let (sb, bb) = (enc(&scales), enc(&biases));
+            let qm = QuantMatrix {
+                packed: &packed,
+                scales: &sb,
+                biases: &bb,
+                scale_type: ty,
+                bits: 4,
+                group,
+                rows,
+                cols,
+            };
+            let data = tile(&qm).unwrap();
+            let w = MatRef::Tiled(TiledMatrix {
+                data: &data,
+                scale_type: ty,
+                group,
+                rows,
+                cols,
+            });
+            let (mut a, mut b) = (vec![0f32; cols], vec![0f32; cols]);
+            for r in 0..rows {
+                w.row(Isa::Scalar, r, &mut a);
+                MatRef::Quant(qm).row(Isa::Scalar, r, &mut b);
+                assert_eq!(a, b, "{ty:?} g{group}: tiled row {r} dequantizes differently");
+            }
+            for isa in Isa::available() {
+                let mut y = vec![0f32; n * rows];
+                w.matmul(isa, &x, n, &mut y);
+                for t in 0..n {
+                    let xt = &x[t * cols..(t + 1) * cols];
+                    let mut one = vec![0f32; rows];
+                    w.matmul(isa, xt, 1, &mut one);
+                    let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&one),
+                        bits(&y[t * rows..(t + 1) * rows]),
+                        "{isa:?} {ty:?} token {t} of {n}"
+                    );
+                    let mut xq = vec![0i8; cols];
+                    let d: Vec<f32> = (xt.chunks(BLOCK).zip(xq.chunks_mut(BLOCK)))
+                        .map(|(xb, qb)| quantize_block(xb, qb))
+                        .collect();
+                    let xsum: Vec<f32> = xt.chunks(group).map(|c| c.iter().sum()).collect();
+                    for r in 0..rows {
+                        let (rs, rb) = (&scales[r * gpr..(r + 1) * gpr], &biases[r * gpr..(r + 1) * gpr]);
+                        let want = reference_row(&codes[r * cols..(r + 1) * cols], &xq, &d, rs, rb, &xsum, group);
+                        let exact: f32 = (0..cols)
+                            .map(|i| (rs[i / group] * codes[r * cols + i] as f32 + rb[i / group]) * xt[i])
+                            .sum();
+                        let got = y[t * rows + r];
+                        let target = if tiled_kernel_on(isa) { want } else { exact };
+                        assert!(
+                            (got - target).abs() <= 1e-4 * (1.0 + target.abs()),
+                            "{isa:?} {ty:?} g{group} row {r} token {t}: {got} vs oracle {want} (exact {exact})"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[derive(serde::Deserialize)]
 struct Golden {
     prompt_ids: Vec<u32>,

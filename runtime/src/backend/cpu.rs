@@ -237,7 +237,11 @@ impl Backend for CpuBackend {
     }
 
     fn matrix(&self, l: &Linear) -> Result<Linear> {
-        Ok(l.clone())
+        // Resident 4-bit matrices are repacked once for the tiled int8 kernel where it runs.
+        let tiled = crate::cpu::q8::tiled_kernel_on(Isa::detect())
+            .then(|| l.tiled())
+            .flatten();
+        Ok(tiled.unwrap_or_else(|| l.clone()))
     }
 
     fn vector(&self, v: &[f32]) -> Result<Vec<f32>> {

@@ -114,10 +114,10 @@ fn dequantize(m: &MatRef<'_>) -> Vec<f64> {
     let (rows, cols) = (m.rows(), m.cols());
     let mut w = vec![0f64; rows * cols];
     match m {
-        MatRef::Dense(d) => {
+        MatRef::Dense(_) | MatRef::Tiled(_) => {
             let mut row = vec![0f32; cols];
             for r in 0..rows {
-                d.dtype.to_f32(d.data, r * cols, &mut row);
+                m.row(crate::cpu::Isa::Scalar, r, &mut row);
                 w[r * cols..(r + 1) * cols]
                     .iter_mut()
                     .zip(&row)

@@ -10,6 +10,7 @@
 mod neon;
 pub mod q8;
 mod scalar;
+pub mod tiled;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
@@ -19,6 +20,7 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 pub use scalar::reference_matmul;
+pub use tiled::TiledMatrix;
 
 /// Float types that weights, scales and biases are stored in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,6 +129,8 @@ pub enum MatRef<'a> {
     Dense(DenseMatrix<'a>),
     /// MLX affine quantized.
     Quant(QuantMatrix<'a>),
+    /// 4-bit affine, repacked into 16-row tiles for the int8 kernels.
+    Tiled(TiledMatrix<'a>),
 }
 
 /// Instruction sets the kernels can use.
@@ -275,6 +279,7 @@ impl MatRef<'_> {
         match self {
             MatRef::Dense(d) => d.rows,
             MatRef::Quant(q) => q.rows,
+            MatRef::Tiled(t) => t.rows,
         }
     }
 
@@ -283,6 +288,7 @@ impl MatRef<'_> {
         match self {
             MatRef::Dense(d) => d.cols,
             MatRef::Quant(q) => q.cols,
+            MatRef::Tiled(t) => t.cols,
         }
     }
 
@@ -290,6 +296,7 @@ impl MatRef<'_> {
     pub fn row(&self, isa: Isa, r: usize, out: &mut [f32]) {
         match self {
             MatRef::Dense(d) => d.dtype.to_f32(d.data, r * d.cols, out),
+            MatRef::Tiled(t) => t.row(r, out),
             MatRef::Quant(q) => {
                 let row_bytes = q.cols * q.bits as usize / 8;
                 isa.unpack(q.bits, &q.packed[r * row_bytes..(r + 1) * row_bytes], out);
@@ -322,11 +329,13 @@ impl MatRef<'_> {
             MatRef::Quant(q) if q8::q8_activations() && cfg!(target_arch = "x86_64") => {
                 q8::Q8Kernel::for_matrix(q, isa)
             }
+            MatRef::Tiled(_) if q8::q8_activations() && cfg!(target_arch = "x86_64") => q8::Q8Kernel::for_tiled(isa),
             _ => None,
         };
         ActivationLayout {
             group: match self {
                 MatRef::Quant(q) => q.group,
+                MatRef::Tiled(t) => t.group,
                 MatRef::Dense(d) => d.cols,
             },
             q8,
@@ -340,6 +349,10 @@ impl MatRef<'_> {
         #[cfg(target_arch = "x86_64")]
         if let (MatRef::Quant(q), Some(k), Some(acts)) = (self, ctx.layout.q8, ctx.acts) {
             return q8_task(q, k, acts, ctx, first, n, chunk);
+        }
+        #[cfg(target_arch = "x86_64")]
+        if let (MatRef::Tiled(m), Some(_), Some(acts)) = (self, ctx.layout.q8, ctx.acts) {
+            return tiled_task(m, acts, ctx, first, n, chunk);
         }
         #[cfg(target_arch = "x86_64")]
         if let (MatRef::Quant(q), Some((true, 4))) = (self, ctx.layout.fused) {
@@ -374,8 +387,8 @@ impl MatRef<'_> {
     fn row_dot(&self, c: &RowCtx<'_>, r: usize, codes: &mut [f32], out: &mut [f32]) {
         let cols = self.cols();
         match self {
-            MatRef::Dense(d) => {
-                d.dtype.to_f32(d.data, r * cols, codes);
+            MatRef::Dense(_) | MatRef::Tiled(_) => {
+                self.row(c.isa, r, codes);
                 for (t, o) in out.iter_mut().enumerate() {
                     *o = c.isa.dot(codes, &c.x[t * cols..(t + 1) * cols]);
                 }
@@ -466,7 +479,13 @@ pub fn matmul_many(isa: Isa, mats: &[MatRef<'_>], x: &[f32], n: usize, ys: &mut 
         let pieces = (m.rows() * m.cols() * target)
             .div_ceil(total.max(1))
             .clamp(1, m.rows().max(1));
-        let rows_per_task = m.rows().div_ceil(pieces).max(1);
+        // A tiled matrix splits at whole tiles.
+        let align = if matches!(m, MatRef::Tiled(_)) {
+            tiled::TILE_ROWS
+        } else {
+            1
+        };
+        let rows_per_task = m.rows().div_ceil(pieces).next_multiple_of(align).max(1);
         for (j, chunk) in out.chunks_mut(rows_per_task * n).enumerate() {
             tasks.push((i, j * rows_per_task, chunk));
         }
@@ -562,6 +581,31 @@ pub fn group_sums(x: &[f32], group: usize) -> Vec<f32> {
             whole.remainder().iter().fold(head, |a, v| a + v)
         })
         .collect()
+}
+
+/// A task's rows of a tiled matrix (from `first`, a multiple of the tile height) with the int8 kernel.
+#[cfg(target_arch = "x86_64")]
+fn tiled_task(m: &TiledMatrix<'_>, acts: &q8::QuantActs, c: &RowCtx<'_>, first: usize, n: usize, chunk: &mut [f32]) {
+    let rows = chunk.len() / n;
+    let tile_bytes = tiled::tiled_len(tiled::TILE_ROWS, m.cols, m.group, m.scale_type);
+    let (blocks, groups) = (m.cols / 32, m.cols / m.group);
+    let mut t = 0;
+    while t < n {
+        let tokens = if n - t >= 4 { 4 } else { 1 };
+        let args = x86::TiledArgs {
+            data: &m.data[first / tiled::TILE_ROWS * tile_bytes..],
+            ty: m.scale_type,
+            group: m.group,
+            rows,
+            cols: m.cols,
+            tokens,
+            xq: &acts.xq[t * m.cols..(t + tokens) * m.cols],
+            block_d: &acts.lane_d[t * blocks..(t + tokens) * blocks],
+            xsum: &c.xsum[t * groups..(t + tokens) * groups],
+        };
+        x86::q4_tiled_rows(&args, &mut chunk[t..], n);
+        t += tokens;
+    }
 }
 
 /// The fused AVX-512 4-bit kernel over one task's rows, several rows and tokens per pass.

@@ -32,6 +32,11 @@ pub fn has_kernel(q: &QuantMatrix<'_>, isa: Isa) -> bool {
     cfg!(target_arch = "x86_64") && Q8Kernel::for_matrix(q, isa).is_some()
 }
 
+/// Whether int8 activations are on and the tiled 4-bit kernel runs on `isa` (so tiling resident matrices pays).
+pub fn tiled_kernel_on(isa: Isa) -> bool {
+    q8_activations() && cfg!(target_arch = "x86_64") && Q8Kernel::for_tiled(isa).is_some()
+}
+
 /// Which integer kernel serves a matrix, and the activation layout it wants.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Q8Kernel {
@@ -39,6 +44,8 @@ pub(super) struct Q8Kernel {
     pub bits: u32,
     /// AVX-512 VNNI (else AVX2).
     pub avx512: bool,
+    /// For a tiled matrix (`super::tiled`): activations in natural order with one scale per block.
+    pub tiled: bool,
 }
 
 impl Q8Kernel {
@@ -46,17 +53,37 @@ impl Q8Kernel {
     pub fn for_matrix(q: &QuantMatrix<'_>, isa: Isa) -> Option<Self> {
         let vnni = vnni_available();
         let k = match (q.bits, isa) {
-            (4, Isa::Avx512) if vnni => Self { bits: 4, avx512: true },
-            (4, Isa::Avx2 | Isa::Avx512) => Self { bits: 4, avx512: false },
-            (8, Isa::Avx512) if vnni => Self { bits: 8, avx512: true },
+            (4, Isa::Avx512) if vnni => Self::new(4, true),
+            (4, Isa::Avx2 | Isa::Avx512) => Self::new(4, false),
+            (8, Isa::Avx512) if vnni => Self::new(8, true),
             _ => return None,
         };
         (q.group.is_multiple_of(BLOCK) && q.group <= 128 && q.cols.is_multiple_of(k.chunk())).then_some(k)
     }
 
+    fn new(bits: u32, avx512: bool) -> Self {
+        Self {
+            bits,
+            avx512,
+            tiled: false,
+        }
+    }
+
+    /// The kernel for a tiled 4-bit matrix on `isa`, if one exists (AVX-512 VNNI).
+    pub fn for_tiled(isa: Isa) -> Option<Self> {
+        (isa == Isa::Avx512 && vnni_available()).then_some(Self {
+            bits: 4,
+            avx512: true,
+            tiled: true,
+        })
+    }
+
     /// Columns per kernel step; 4-bit steps keep even elements in the first half of a chunk and odd ones
     /// in the second (a byte's low nibble is the even element).
     pub fn chunk(self) -> usize {
+        if self.tiled {
+            return BLOCK;
+        }
         match (self.bits, self.avx512) {
             (4, true) => 128,
             (4, false) => 64,
@@ -66,7 +93,9 @@ impl Q8Kernel {
 
     /// Columns each i32 lane of the integer dot covers.
     pub fn lane_cols(self) -> usize {
-        if self.bits == 4 {
+        if self.tiled {
+            BLOCK
+        } else if self.bits == 4 {
             8
         } else {
             4
@@ -74,7 +103,7 @@ impl Q8Kernel {
     }
 }
 
-fn vnni_available() -> bool {
+pub(super) fn vnni_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         is_x86_feature_detected!("avx512vnni")
@@ -152,7 +181,7 @@ pub(super) fn quantize(x: &[f32], n: usize, cols: usize, k: Q8Kernel) -> QuantAc
         let xt = &x[t * cols..(t + 1) * cols];
         quantize_row(k, xt, &mut natural, &mut d);
         let out = &mut xq[t * cols..(t + 1) * cols];
-        if k.bits == 4 {
+        if k.bits == 4 && !k.tiled {
             let (chunk, half) = (k.chunk(), k.chunk() / 2);
             for (src, dst) in natural.chunks_exact(chunk).zip(out.chunks_exact_mut(chunk)) {
                 for i in 0..half {
@@ -225,7 +254,7 @@ mod tests {
         x[64] = f32::INFINITY;
         x[100] = f32::NAN;
         x[130] = -0.0;
-        for k in [Q8Kernel { bits: 4, avx512: true }, Q8Kernel { bits: 4, avx512: false }] {
+        for k in [Q8Kernel::new(4, true), Q8Kernel::new(4, false)] {
             if k.avx512 && !vnni_available() {
                 continue;
             }

@@ -37,6 +37,7 @@ pub fn reference_matmul(w: &MatRef<'_>, x: &[f32], n: usize, y: &mut [f32]) {
     for r in 0..rows {
         match w {
             MatRef::Dense(d) => d.dtype.to_f32(d.data, r * cols, &mut row),
+            MatRef::Tiled(t) => t.row(r, &mut row),
             MatRef::Quant(q) => {
                 let row_bytes = cols * q.bits as usize / 8;
                 let gpr = cols / q.group;

@@ -867,3 +867,127 @@ unsafe fn quantize_blocks_avx512_impl(x: &[f32], q: &mut [i8], d: &mut [f32]) {
         *db = scale;
     }
 }
+
+/// What the tiled 4-bit int8 kernel reads: tiles (see `super::tiled`), int8 activations in natural order with
+/// one scale per 32-column block, and per-token group sums.
+pub(super) struct TiledArgs<'a> {
+    pub data: &'a [u8],
+    pub ty: super::FloatType,
+    pub group: usize,
+    /// Rows to compute (from the first tile of `data`); the last tile may be partial.
+    pub rows: usize,
+    pub cols: usize,
+    pub tokens: usize,
+    pub xq: &'a [i8],
+    pub block_d: &'a [f32],
+    pub xsum: &'a [f32],
+}
+
+/// `out[r·ostride + t]` for each row `r < a.rows` and token `t < a.tokens`, on tiled codes: per tile, group and
+/// 32-column block, each lane of `vpdpbusd` sums one row's block (eight dot products of 4 bytes), then one
+/// multiply-add per 16 rows applies group scale × block scale; `Σ bias·Σx` is added at the end. Up to four
+/// tokens share each code load; a (row, token) result takes the same operations whatever the token count.
+pub(super) fn q4_tiled_rows(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) {
+    use super::tiled::tiled_len;
+    let (groups, blocks) = (a.cols / a.group, a.cols / 32);
+    assert!(
+        a.group.is_multiple_of(32) && a.cols.is_multiple_of(a.group),
+        "tile shape"
+    );
+    assert!(a.data.len() >= tiled_len(a.rows, a.cols, a.group, a.ty), "tile bounds");
+    assert!(
+        (1..=4).contains(&a.tokens)
+            && a.xq.len() >= a.tokens * a.cols
+            && a.block_d.len() >= a.tokens * blocks
+            && a.xsum.len() >= a.tokens * groups,
+        "activation bounds"
+    );
+    assert!(
+        ostride >= a.tokens && (a.rows == 0 || out.len() >= (a.rows - 1) * ostride + a.tokens),
+        "output bounds"
+    );
+    assert!(super::q8::vnni_available(), "AVX-512 VNNI");
+    use super::FloatType as F;
+    // SAFETY: AVX-512 F/BW/VL/VNNI detected above; the asserts bound every read (tiles of `rows`, `tokens`
+    // rows of activations, block scales and group sums) and every write (row < rows, token < tokens at
+    // row·ostride + token). Prefetches past the end never fault.
+    unsafe {
+        match (a.ty, a.tokens) {
+            (F::F32, 4) => q4_tiled::<TY_F32, 4>(a, out, ostride),
+            (F::F16, 4) => q4_tiled::<TY_F16, 4>(a, out, ostride),
+            (F::BF16, 4) => q4_tiled::<TY_BF16, 4>(a, out, ostride),
+            (ty, t) => {
+                for t in 0..t {
+                    let one = TiledArgs {
+                        tokens: 1,
+                        xq: &a.xq[t * a.cols..],
+                        block_d: &a.block_d[t * blocks..],
+                        xsum: &a.xsum[t * groups..],
+                        ..*a
+                    };
+                    match ty {
+                        F::F32 => q4_tiled::<TY_F32, 1>(&one, &mut out[t..], ostride),
+                        F::F16 => q4_tiled::<TY_F16, 1>(&one, &mut out[t..], ostride),
+                        F::BF16 => q4_tiled::<TY_BF16, 1>(&one, &mut out[t..], ostride),
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q4_tiled<const TY: u8, const T: usize>(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) {
+    use super::tiled::{group_bytes, TILE_ROWS};
+    let size = a.ty.size();
+    let (groups, blocks, per_group) = (a.cols / a.group, a.cols / 32, a.group / 32);
+    let gb = group_bytes(a.group, a.ty);
+    let m = _mm512_set1_epi8(0x0f);
+    let (xq, bd, xs) = (a.xq.as_ptr(), a.block_d.as_ptr(), a.xsum.as_ptr());
+    for tile in 0..a.rows.div_ceil(TILE_ROWS) {
+        let base = a.data.as_ptr().add(tile * groups * gb);
+        let mut acc = [_mm512_setzero_ps(); T];
+        let mut bacc = [_mm512_setzero_ps(); T];
+        for g in 0..groups {
+            let gp = base.add(g * gb);
+            // The tile is one linear stream: keep the lines a few KiB ahead of this group in flight.
+            let mut off = 0;
+            while off < gb {
+                _mm_prefetch::<_MM_HINT_T0>(gp.wrapping_add(PREFETCH_AHEAD + off) as *const i8);
+                off += 64;
+            }
+            let s = load_scales::<TY>(gp, TILE_ROWS);
+            let b = load_scales::<TY>(gp.add(TILE_ROWS * size), TILE_ROWS);
+            for (t, ba) in bacc.iter_mut().enumerate() {
+                *ba = _mm512_fmadd_ps(b, _mm512_set1_ps(*xs.add(t * groups + g)), *ba);
+            }
+            let codes = gp.add(2 * TILE_ROWS * size);
+            for kb in 0..per_group {
+                let blk = g * per_group + kb;
+                let mut i = [_mm512_setzero_si512(); T];
+                for k in 0..4 {
+                    let v = _mm512_loadu_si512(codes.add(kb * 256 + 64 * k) as *const _);
+                    let (lo, hi) = (_mm512_and_si512(v, m), _mm512_and_si512(_mm512_srli_epi32::<4>(v), m));
+                    for (t, it) in i.iter_mut().enumerate() {
+                        let x = xq.add(t * a.cols + 32 * blk + 4 * k);
+                        let xl = _mm512_set1_epi32((x as *const i32).read_unaligned());
+                        let xh = _mm512_set1_epi32((x.add(16) as *const i32).read_unaligned());
+                        *it = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(*it, lo, xl), hi, xh);
+                    }
+                }
+                for (t, (ac, it)) in acc.iter_mut().zip(i).enumerate() {
+                    let f = _mm512_mul_ps(s, _mm512_set1_ps(*bd.add(t * blocks + blk)));
+                    *ac = _mm512_fmadd_ps(_mm512_cvtepi32_ps(it), f, *ac);
+                }
+            }
+        }
+        let rows = (a.rows - tile * TILE_ROWS).min(TILE_ROWS);
+        for (t, (ac, ba)) in acc.iter().zip(&bacc).enumerate() {
+            let mut lanes = [0f32; TILE_ROWS];
+            _mm512_storeu_ps(lanes.as_mut_ptr(), _mm512_add_ps(*ac, *ba));
+            for (l, v) in lanes.iter().take(rows).enumerate() {
+                *out.get_unchecked_mut((tile * TILE_ROWS + l) * ostride + t) = *v;
+            }
+        }
+    }
+}

@@ -88,7 +88,7 @@ impl EvalGolden {
 }
 
 /// `matmul_many` over matrices of several layouts (4- and 8-bit of two group sizes, bf16 and f16 scales, a
-/// dense one, one big enough to split into several tasks) equals each matrix's `matmul` alone, bit for bit, for
+/// dense one, a tiled one, one big enough to split into several tasks) equals each matrix's `matmul` alone, bit for bit, for
 /// 1 to 5 tokens, in parallel and not: with whichever kernels the process has switched on.
 #[allow(dead_code)] // not every test binary uses it
 pub fn assert_matmul_many_equals_each_alone() {
@@ -160,6 +160,16 @@ pub fn assert_matmul_many_equals_each_alone() {
             cols,
         }),
     );
+    // The first matrix again, tiled (the layout resident 4-bit matrices take under the int8 kernels).
+    let MatRef::Quant(first) = mats[0] else { unreachable!() };
+    let tiles = sluice_runtime::cpu::tiled::tile(&first).expect("4-bit g64 tiles");
+    mats.push(MatRef::Tiled(sluice_runtime::cpu::TiledMatrix {
+        data: &tiles,
+        scale_type: first.scale_type,
+        group: first.group,
+        rows: first.rows,
+        cols,
+    }));
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     for isa in Isa::available() {
         for n in 1..=5 {

@@ -77,6 +77,7 @@ pub(super) fn upload_linear(
     let bias = bias.map(|b| f32s(b, &[b.len() as i32]));
     let (r, c) = (rows as i32, cols as i32);
     match format {
+        WeightFormat::Tiled { .. } => Err(bad("a tiled matrix is the cpu backend's layout, not MLX's")),
         WeightFormat::Dense(ft) => {
             let mut v = vec![0f32; rows * cols];
             ft.to_f32(&parts[0], 0, &mut v);

@@ -1,0 +1,151 @@
+//! 4-bit affine matrices repacked for the int8 kernels: 16 rows interleaved per tile, so one linear stream
+//! feeds 16 rows at once and each 32-bit lane of an integer dot product sums one row's whole 32-column
+//! activation block. The float work (block scale × group scale, accumulate) is then one vector op per 16 rows
+//! and block, where MLX's row-major layout needs one per row and 128 columns.
+//!
+//! Layout, tile by tile (rows `16t .. 16t+16`; a short last tile is padded with zero rows), group by group:
+//! the tile's 16 scales, its 16 biases (in the stored float type), then for each 32-column block of the group
+//! 256 bytes of codes: 64-byte vector `k` (0..4) holds, in bytes `4l .. 4l+4` (lane `l`, row `16t + l`), the
+//! codes of columns `4k + j` (low nibbles) and `16 + 4k + j` (high nibbles) of the block.
+
+use super::{FloatType, QuantMatrix};
+
+/// Rows per tile.
+pub const TILE_ROWS: usize = 16;
+/// Columns per block (one activation quantization block).
+const BLOCK: usize = 32;
+/// Code bytes per tile and block.
+const BLOCK_BYTES: usize = TILE_ROWS * BLOCK / 2;
+
+/// A tiled 4-bit matrix `[rows, cols]` viewed in place.
+#[derive(Debug, Clone, Copy)]
+pub struct TiledMatrix<'a> {
+    /// The tiles (see the module docs), `tiled_len(..)` bytes.
+    pub data: &'a [u8],
+    /// Element type of scales and biases.
+    pub scale_type: FloatType,
+    /// Columns per scale/bias group (a multiple of 32).
+    pub group: usize,
+    /// Output features.
+    pub rows: usize,
+    /// Input features (a multiple of `group`).
+    pub cols: usize,
+}
+
+/// Bytes of one group of one tile: scales, biases, codes.
+pub fn group_bytes(group: usize, scale_type: FloatType) -> usize {
+    2 * TILE_ROWS * scale_type.size() + group / BLOCK * BLOCK_BYTES
+}
+
+/// Bytes a tiled `[rows, cols]` matrix takes.
+pub fn tiled_len(rows: usize, cols: usize, group: usize, scale_type: FloatType) -> usize {
+    rows.div_ceil(TILE_ROWS) * (cols / group) * group_bytes(group, scale_type)
+}
+
+/// Whether `q` can be tiled: 4-bit, groups of whole blocks, whole groups per row.
+pub fn can_tile(q: &QuantMatrix<'_>) -> bool {
+    q.bits == 4 && q.group.is_multiple_of(BLOCK) && q.group > 0 && q.cols.is_multiple_of(q.group)
+}
+
+/// `q` repacked into tiles, or `None` when [`can_tile`] says no.
+pub fn tile(q: &QuantMatrix<'_>) -> Option<Vec<u8>> {
+    if !can_tile(q) {
+        return None;
+    }
+    let size = q.scale_type.size();
+    let (groups, gb) = (q.cols / q.group, group_bytes(q.group, q.scale_type));
+    let row_bytes = q.cols / 2;
+    let code = |r: usize, c: usize| (q.packed[r * row_bytes + c / 2] >> (4 * (c % 2))) & 0x0f;
+    let mut out = vec![0u8; tiled_len(q.rows, q.cols, q.group, q.scale_type)];
+    for (t, tile) in out.chunks_mut(groups * gb).enumerate() {
+        let rows = (t * TILE_ROWS..q.rows).take(TILE_ROWS);
+        for (g, dst) in tile.chunks_mut(gb).enumerate() {
+            for (l, r) in rows.clone().enumerate() {
+                let src = (r * groups + g) * size;
+                dst[l * size..(l + 1) * size].copy_from_slice(&q.scales[src..src + size]);
+                let b = TILE_ROWS * size + l * size;
+                dst[b..b + size].copy_from_slice(&q.biases[src..src + size]);
+            }
+            let codes = &mut dst[2 * TILE_ROWS * size..];
+            for (kb, block) in codes.chunks_mut(BLOCK_BYTES).enumerate() {
+                let c0 = g * q.group + kb * BLOCK;
+                for (l, r) in rows.clone().enumerate() {
+                    for k in 0..4 {
+                        for j in 0..4 {
+                            block[64 * k + 4 * l + j] = code(r, c0 + 4 * k + j) | code(r, c0 + 16 + 4 * k + j) << 4;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Some(out)
+}
+
+impl TiledMatrix<'_> {
+    /// Row `r` dequantized to f32 (`out.len() == cols`).
+    pub fn row(&self, r: usize, out: &mut [f32]) {
+        let (size, gb) = (self.scale_type.size(), group_bytes(self.group, self.scale_type));
+        let tile = &self.data[r / TILE_ROWS * (self.cols / self.group) * gb..];
+        let l = r % TILE_ROWS;
+        for (g, dst) in out.chunks_mut(self.group).enumerate() {
+            let grp = &tile[g * gb..(g + 1) * gb];
+            let s = self.scale_type.get(grp, l);
+            let b = self.scale_type.get(grp, TILE_ROWS + l);
+            let codes = &grp[2 * TILE_ROWS * size..];
+            for (kb, blk) in dst.chunks_mut(BLOCK).enumerate() {
+                for (c, o) in blk.iter_mut().enumerate() {
+                    let (k, j, high) = ((c % 16) / 4, c % 4, c >= 16);
+                    let byte = codes[kb * BLOCK_BYTES + 64 * k + 4 * l + j];
+                    let q = if high { byte >> 4 } else { byte & 0x0f };
+                    *o = s * q as f32 + b;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::testutil::{encode, pack};
+    use crate::cpu::{Isa, MatRef};
+
+    #[test]
+    fn a_tiled_matrix_dequantizes_to_the_same_rows() {
+        for &(rows, cols, group, st) in &[
+            (16usize, 64usize, 64usize, FloatType::BF16),
+            (37, 256, 32, FloatType::F16),
+            (5, 128, 128, FloatType::F32),
+        ] {
+            let codes: Vec<u32> = (0..rows * cols).map(|i| ((i * 7 + i / 5) % 16) as u32).collect();
+            let s: Vec<f32> = (0..rows * cols / group).map(|i| 0.01 * i as f32 - 0.3).collect();
+            let b: Vec<f32> = (0..rows * cols / group).map(|i| 0.5 - 0.02 * i as f32).collect();
+            let (packed, scales, biases) = (pack(4, &codes), encode(st, &s), encode(st, &b));
+            let q = QuantMatrix {
+                packed: &packed,
+                scales: &scales,
+                biases: &biases,
+                scale_type: st,
+                bits: 4,
+                group,
+                rows,
+                cols,
+            };
+            let data = tile(&q).unwrap();
+            let t = TiledMatrix {
+                data: &data,
+                scale_type: st,
+                group,
+                rows,
+                cols,
+            };
+            let (mut want, mut got) = (vec![0f32; cols], vec![0f32; cols]);
+            for r in 0..rows {
+                MatRef::Quant(q).row(Isa::Scalar, r, &mut want);
+                t.row(r, &mut got);
+                assert_eq!(want, got, "row {r} of {rows}×{cols} g{group}");
+            }
+        }
+    }
+}
