@@ -56,45 +56,22 @@ fn matmul_matches_the_int8_oracle_for_every_shape() {
             rows,
             cols,
         };
-        let w = MatRef::Quant(qm);
-        for isa in Isa::available() {
-            let mut y = vec![0f32; n * rows];
-            w.matmul(isa, &x, n, &mut y);
-            for t in 0..n {
-                let xt = &x[t * cols..(t + 1) * cols];
-                // A token's result does not depend on the others in the call, bit for bit.
-                let mut one = vec![0f32; rows];
-                w.matmul(isa, xt, 1, &mut one);
-                assert_eq!(
-                    one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                    y[t * rows..(t + 1) * rows]
-                        .iter()
-                        .map(|v| v.to_bits())
-                        .collect::<Vec<_>>(),
-                    "{isa:?} bits {bits} g{group} token {t} of {n}: batched differs from alone"
-                );
-                let mut xq = vec![0i8; cols];
-                let d: Vec<f32> = (xt.chunks(BLOCK).zip(xq.chunks_mut(BLOCK)))
-                    .map(|(xb, qb)| quantize_block(xb, qb))
-                    .collect();
-                let xsum: Vec<f32> = xt.chunks(group).map(|c| c.iter().sum()).collect();
-                for r in 0..rows {
-                    let (rs, rb) = (&scales[r * gpr..(r + 1) * gpr], &biases[r * gpr..(r + 1) * gpr]);
-                    let want = reference_row(&codes[r * cols..(r + 1) * cols], &xq, &d, rs, rb, &xsum, group);
-                    // Float rounding of the same integer sums only; the exact (f32) path differs by more,
-                    // and the scalar fallback computes in f32 (it has no int8 kernel).
-                    let exact: f32 = (0..cols)
-                        .map(|i| (rs[i / group] * codes[r * cols + i] as f32 + rb[i / group]) * xt[i])
-                        .sum();
-                    let got = y[t * rows + r];
-                    let target = if has_kernel(&qm, isa) { want } else { exact };
-                    assert!(
-                        (got - target).abs() <= 1e-4 * (1.0 + target.abs()),
-                        "{isa:?} bits {bits} g{group} row {r} token {t}: {got} vs oracle {want} (exact {exact})"
-                    );
-                }
-            }
-        }
+        let weights = Weights {
+            codes: &codes,
+            scales: &scales,
+            biases: &biases,
+            group,
+            rows,
+            cols,
+        };
+        check_matmul(
+            MatRef::Quant(qm),
+            |isa| has_kernel(&qm, isa),
+            &weights,
+            &x,
+            n,
+            &format!("bits {bits}"),
+        );
     }
 }
 
@@ -160,38 +137,66 @@ fn tiled_matmul_matches_the_int8_oracle() {
                 MatRef::Quant(qm).row(Isa::Scalar, r, &mut b);
                 assert_eq!(a, b, "{ty:?} g{group}: tiled row {r} dequantizes differently");
             }
-            for isa in Isa::available() {
-                let mut y = vec![0f32; n * rows];
-                w.matmul(isa, &x, n, &mut y);
-                for t in 0..n {
-                    let xt = &x[t * cols..(t + 1) * cols];
-                    let mut one = vec![0f32; rows];
-                    w.matmul(isa, xt, 1, &mut one);
-                    let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(
-                        bits(&one),
-                        bits(&y[t * rows..(t + 1) * rows]),
-                        "{isa:?} {ty:?} token {t} of {n}"
-                    );
-                    let mut xq = vec![0i8; cols];
-                    let d: Vec<f32> = (xt.chunks(BLOCK).zip(xq.chunks_mut(BLOCK)))
-                        .map(|(xb, qb)| quantize_block(xb, qb))
-                        .collect();
-                    let xsum: Vec<f32> = xt.chunks(group).map(|c| c.iter().sum()).collect();
-                    for r in 0..rows {
-                        let (rs, rb) = (&scales[r * gpr..(r + 1) * gpr], &biases[r * gpr..(r + 1) * gpr]);
-                        let want = reference_row(&codes[r * cols..(r + 1) * cols], &xq, &d, rs, rb, &xsum, group);
-                        let exact: f32 = (0..cols)
-                            .map(|i| (rs[i / group] * codes[r * cols + i] as f32 + rb[i / group]) * xt[i])
-                            .sum();
-                        let got = y[t * rows + r];
-                        let target = if tiled_kernel_on(isa) { want } else { exact };
-                        assert!(
-                            (got - target).abs() <= 1e-4 * (1.0 + target.abs()),
-                            "{isa:?} {ty:?} g{group} row {r} token {t}: {got} vs oracle {want} (exact {exact})"
-                        );
-                    }
-                }
+            let weights = Weights {
+                codes: &codes,
+                scales: &scales,
+                biases: &biases,
+                group,
+                rows,
+                cols,
+            };
+            check_matmul(w, tiled_kernel_on, &weights, &x, n, &format!("tiled {ty:?}"));
+        }
+    }
+}
+
+/// A matrix's weights in plain numbers, for the oracle.
+struct Weights<'a> {
+    codes: &'a [u32],
+    scales: &'a [f32],
+    biases: &'a [f32],
+    group: usize,
+    rows: usize,
+    cols: usize,
+}
+
+/// `w` (holding `m`) on every instruction set against `n` tokens `x`: a batch equals its tokens alone bit for
+/// bit, and each result is within float rounding of the oracle with exact integer block sums where `int8(isa)`
+/// says an int8 kernel serves `w` (else of the f32 sum: the scalar fallback has no int8 kernel).
+fn check_matmul(w: MatRef<'_>, int8: impl Fn(Isa) -> bool, m: &Weights<'_>, x: &[f32], n: usize, label: &str) {
+    let (group, rows, cols) = (m.group, m.rows, m.cols);
+    let gpr = cols / group;
+    let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    for isa in Isa::available() {
+        let mut y = vec![0f32; n * rows];
+        w.matmul(isa, x, n, &mut y);
+        for t in 0..n {
+            let xt = &x[t * cols..(t + 1) * cols];
+            let mut one = vec![0f32; rows];
+            w.matmul(isa, xt, 1, &mut one);
+            assert_eq!(
+                bits(&one),
+                bits(&y[t * rows..(t + 1) * rows]),
+                "{isa:?} {label} g{group} token {t} of {n}: batched differs from alone"
+            );
+            let mut xq = vec![0i8; cols];
+            let d: Vec<f32> = (xt.chunks(BLOCK).zip(xq.chunks_mut(BLOCK)))
+                .map(|(xb, qb)| quantize_block(xb, qb))
+                .collect();
+            let xsum: Vec<f32> = xt.chunks(group).map(|c| c.iter().sum()).collect();
+            for r in 0..rows {
+                let (rs, rb) = (&m.scales[r * gpr..(r + 1) * gpr], &m.biases[r * gpr..(r + 1) * gpr]);
+                let codes = &m.codes[r * cols..(r + 1) * cols];
+                let want = reference_row(codes, &xq, &d, rs, rb, &xsum, group);
+                let exact: f32 = (0..cols)
+                    .map(|i| (rs[i / group] * codes[i] as f32 + rb[i / group]) * xt[i])
+                    .sum();
+                let got = y[t * rows + r];
+                let target = if int8(isa) { want } else { exact };
+                assert!(
+                    (got - target).abs() <= 1e-4 * (1.0 + target.abs()),
+                    "{isa:?} {label} g{group} row {r} token {t}: {got} vs oracle {want} (exact {exact})"
+                );
             }
         }
     }
