@@ -228,11 +228,17 @@ fn generate(a: GenerateArgs) -> Result<()> {
     Ok(())
 }
 
-/// Makes this thread the first of a compute pool of `threads` (`None`: all cores), kept while the command runs.
-fn compute_pool(threads: Option<usize>) -> Result<rayon::ThreadPool> {
+/// Refuses `--threads 0` (rayon would read it as "all cores").
+fn check_threads(threads: Option<usize>) -> Result<()> {
     if threads == Some(0) {
         bail!("--threads must be at least 1");
     }
+    Ok(())
+}
+
+/// Makes this thread the first of a compute pool of `threads` (`None`: all cores), kept while the command runs.
+fn compute_pool(threads: Option<usize>) -> Result<rayon::ThreadPool> {
+    check_threads(threads)?;
     sluice_runtime::threads::join_compute_pool(threads).context("setting up the compute threads")
 }
 

@@ -41,9 +41,7 @@ pub struct ServeArgs {
 
 /// Runs `sluice serve` until SIGINT or SIGTERM.
 pub fn run(a: ServeArgs) -> Result<()> {
-    if a.threads == Some(0) {
-        bail!("--threads must be at least 1");
-    }
+    crate::check_threads(a.threads)?;
     if a.max_queue == 0 {
         bail!("--max-queue must be at least 1");
     }

@@ -81,9 +81,6 @@ impl Q8Kernel {
     /// Columns per kernel step; 4-bit steps keep even elements in the first half of a chunk and odd ones
     /// in the second (a byte's low nibble is the even element).
     pub fn chunk(self) -> usize {
-        if self.tiled {
-            return BLOCK;
-        }
         match (self.bits, self.avx512) {
             (4, true) => 128,
             (4, false) => 64,
