@@ -55,6 +55,12 @@ impl Deref for OwnedBytes {
     }
 }
 
+impl AsRef<[u8]> for OwnedBytes {
+    fn as_ref(&self) -> &[u8] {
+        self.as_slice()
+    }
+}
+
 impl fmt::Debug for OwnedBytes {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "OwnedBytes({} bytes)", self.len)

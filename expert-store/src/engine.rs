@@ -447,6 +447,8 @@ impl Inner {
     }
 
     fn worker(&self) {
+        // The record as read, when the table rewrites records (kept between reads: records are megabytes).
+        let mut scratch = Vec::new();
         loop {
             let job = {
                 let mut q = lock(&self.queue);
@@ -466,7 +468,7 @@ impl Inner {
             };
             let Job { key, mut buf, prefetch } = job;
             let started = Instant::now();
-            let result = self.load(key, &mut buf);
+            let result = self.load(key, &mut buf, &mut scratch);
             let took = started.elapsed();
             {
                 let mut q = lock(&self.queue);
@@ -508,8 +510,9 @@ impl Inner {
         }
     }
 
-    /// Fills `buf` with record `key`; returns the bytes read or a message naming the record and file.
-    fn load(&self, key: Key, buf: &mut Arc<SlotBuf>) -> Result<usize, String> {
+    /// Fills `buf` with record `key` (rewritten by the table's transform, through `scratch`); returns the bytes
+    /// read or a message naming the record and file.
+    fn load(&self, key: Key, buf: &mut Arc<SlotBuf>, scratch: &mut Vec<u8>) -> Result<usize, String> {
         let (layer, expert) = key;
         let fail = |what: String| format!("expert record layer {layer} expert {expert}: {what}");
         let layout = self.layout(key).map_err(|e| fail(e.to_string()))?;
@@ -541,6 +544,11 @@ impl Inner {
                 )));
             }
         }
+        if let (Some(t), Some(to)) = (self.table.transform(), &layout.rewritten) {
+            scratch.clear();
+            scratch.extend_from_slice(&slot[..layout.slot_len()]);
+            t.apply(layer, scratch, &layout.parts, slot, to).map_err(fail)?;
+        }
         Ok(total)
     }
 
@@ -553,7 +561,7 @@ impl Inner {
 
     fn record_of(&self, key: Key, buf: &Arc<SlotBuf>) -> Result<ExpertRecord, StoreError> {
         let whole = OwnedBytes::new(Arc::clone(buf) as Arc<dyn AsRef<[u8]> + Send + Sync>);
-        let parts = (self.layout(key)?.parts.iter())
+        let parts = (self.layout(key)?.loaded_parts().iter())
             .map(|&(off, len)| whole.slice(off..off + len))
             .collect::<Option<Vec<_>>>()
             .ok_or_else(|| StoreError::Engine("record part outside its slot".into()))?;

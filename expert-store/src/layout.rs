@@ -103,6 +103,8 @@ pub struct RecordLayout {
     pub parts: Vec<(usize, usize)>,
     /// xxh3-64 of the bytes of the single read, when the store keeps checksums.
     pub checksum: Option<u64>,
+    /// Where the parts are once the table's [`RecordTransform`] has rewritten the slot (`None`: at `parts`).
+    pub rewritten: Option<Vec<(usize, usize)>>,
 }
 
 impl RecordLayout {
@@ -115,6 +117,30 @@ impl RecordLayout {
     pub fn read_len(&self) -> usize {
         self.reads.iter().map(|r| r.len).sum()
     }
+
+    /// Where the parts are once the record is loaded (after any rewrite).
+    pub fn loaded_parts(&self) -> &[(usize, usize)] {
+        self.rewritten.as_deref().unwrap_or(&self.parts)
+    }
+}
+
+/// Rewrites records in their slots after each read lands and passes its checksum, e.g. into the layout a
+/// compute kernel wants: the engine's I/O threads do it once per read, so the decode step only ever sees the
+/// rewritten layout, and the file keeps the layout every backend reads.
+pub trait RecordTransform: Send + Sync {
+    /// Where the parts of `layer`'s records go, given where they are as read (`None`: they stay as read).
+    fn parts(&self, layer: usize, read: &[(usize, usize)]) -> Option<Vec<(usize, usize)>>;
+
+    /// Writes one record of `layer` into `slot` at `to`, from `record` (a copy of the slot as read), whose
+    /// parts are at `from`.
+    fn apply(
+        &self,
+        layer: usize,
+        record: &[u8],
+        from: &[(usize, usize)],
+        slot: &mut [u8],
+        to: &[(usize, usize)],
+    ) -> Result<(), String>;
 }
 
 /// Every record of a model: the files and, per layer, one layout per expert.
@@ -122,12 +148,43 @@ pub struct RecordTable {
     /// The files reads refer to.
     pub files: Vec<Arc<dyn ReadAt>>,
     layers: HashMap<usize, Vec<RecordLayout>>,
+    transform: Option<Arc<dyn RecordTransform>>,
 }
 
 impl RecordTable {
     /// A table from parts: `files` and `(layer, per-expert layouts)`.
     pub fn new(files: Vec<Arc<dyn ReadAt>>, layers: HashMap<usize, Vec<RecordLayout>>) -> Self {
-        Self { files, layers }
+        Self {
+            files,
+            layers,
+            transform: None,
+        }
+    }
+
+    /// This table with every record `transform` takes rewritten after its read; errors when a rewritten
+    /// record would not fit the slot bytes its reads use.
+    pub fn with_transform(mut self, transform: Arc<dyn RecordTransform>) -> Result<Self, StoreError> {
+        for (&layer, records) in &mut self.layers {
+            for (expert, r) in records.iter_mut().enumerate() {
+                let Some(to) = transform.parts(layer, &r.parts) else {
+                    continue;
+                };
+                if to.iter().any(|&(off, len)| off + len > r.slot_len()) {
+                    return Err(StoreError::Engine(format!(
+                        "layer {layer} expert {expert}: the rewritten record needs more than its {} slot bytes",
+                        r.slot_len()
+                    )));
+                }
+                r.rewritten = Some(to);
+            }
+        }
+        self.transform = Some(transform);
+        Ok(self)
+    }
+
+    /// The rewrite applied to records after their reads, if any.
+    pub fn transform(&self) -> Option<&Arc<dyn RecordTransform>> {
+        self.transform.as_ref()
     }
 
     /// Records straight from the stacked tensors of the original safetensors: one read per part.
@@ -183,12 +240,13 @@ impl RecordTable {
                         reads,
                         parts,
                         checksum: None,
+                        rewritten: None,
                     }
                 })
                 .collect();
             layers.insert(s.layer, records);
         }
-        Ok(Self { files, layers })
+        Ok(Self::new(files, layers))
     }
 
     /// The layout of expert `expert` in layer `layer`.

@@ -30,7 +30,7 @@ pub use counters::{CounterSnapshot, Histogram, HistogramSnapshot, StoreCounters,
 pub use engine::{EngineOptions, StreamingSource};
 pub use error::StoreError;
 pub use experts::{ExpertFetch, ExpertRecord, ExpertSource, InMemoryExpertSource, MmapExpertSource, StackedExperts};
-pub use layout::{read_full, PosixFile, ReadAt, ReadOp, RecordLayout, RecordTable, DIRECT_ALIGN};
+pub use layout::{read_full, PosixFile, ReadAt, ReadOp, RecordLayout, RecordTable, RecordTransform, DIRECT_ALIGN};
 pub use store::{
     convert, is_store, ConvertOptions, LayerManifest, Manifest, PackedStore, PartManifest, RecordManifest, DATA_FILE,
     MANIFEST_FILE, STORE_VERSION,

@@ -261,6 +261,7 @@ impl PackedStore {
                     }],
                     parts: parts.clone(),
                     checksum: parse_hash(&r.xxh3),
+                    rewritten: None,
                 })
                 .collect();
             layers.insert(l.layer, records);

@@ -5,22 +5,32 @@ use std::sync::Arc;
 
 use expert_store::{
     Checkpoint, EngineOptions, ExpertSource, InMemoryExpertSource, MmapExpertSource, PackedStore, RecordTable,
-    StackedExperts, StoreError, StreamingSource,
+    RecordTransform, StackedExperts, StoreError, StreamingSource,
 };
 
 use crate::error::{ModelError, Result};
 use crate::memory_plan::{ExpertPlacement, MachineMemory, MemoryPlan, ModelFootprint, PlanRequest};
 use crate::options::{ExpertMode, ExpertOptions, IoMode};
 
-/// Builds the expert source for `stacks` per `opts`, with the memory plan that sized it. `footprint` holds
-/// the model's KV and state sizes; its weight sizes are filled in here from the checkpoint.
+/// An expert source with the memory plan that sized it.
+pub(crate) struct OpenedSource {
+    pub source: Arc<dyn ExpertSource>,
+    pub plan: MemoryPlan,
+    /// Whether records are rewritten by the transform asked for as they load (only streamed ones are).
+    pub rewritten: bool,
+}
+
+/// Builds the expert source for `stacks` per `opts`. `footprint` holds the model's KV and state sizes; its
+/// weight sizes are filled in here from the checkpoint. Streamed records are rewritten by `rewrite` as they
+/// land, when given.
 pub(crate) fn open_source(
     ckpt: &Arc<Checkpoint>,
     stacks: &[StackedExperts],
     store: Option<&PackedStore>,
     opts: &ExpertOptions,
     mut footprint: ModelFootprint,
-) -> Result<(Arc<dyn ExpertSource>, MemoryPlan)> {
+    rewrite: Option<Arc<dyn RecordTransform>>,
+) -> Result<OpenedSource> {
     let stacked: u64 = stacks
         .iter()
         .flat_map(|s| &s.tensors)
@@ -39,8 +49,13 @@ pub(crate) fn open_source(
         }
     }
     let plan_for = |footprint| MemoryPlan::new(machine, footprint, &PlanRequest::from_options(opts));
+    let unwritten = |source: Arc<dyn ExpertSource>, plan| OpenedSource {
+        source,
+        plan,
+        rewritten: false,
+    };
     if stacks.is_empty() {
-        return Ok((Arc::new(InMemoryExpertSource::new()), plan_for(footprint)));
+        return Ok(unwritten(Arc::new(InMemoryExpertSource::new()), plan_for(footprint)));
     }
     // The read mode is decided on the checkpoint's sizes (the table's reads depend on it); the plan is then
     // redone on what the reads cost and keeps that decision.
@@ -56,12 +71,20 @@ pub(crate) fn open_source(
             open_table(|d| s.table(d), direct, opts.io)?
         }
         None if opts.mode == ExpertMode::Mmap => {
-            return Ok((Arc::new(MmapExpertSource::new(ckpt, stacks)?), plan_for(footprint)))
+            return Ok(unwritten(
+                Arc::new(MmapExpertSource::new(ckpt, stacks)?),
+                plan_for(footprint),
+            ))
         }
         None => open_table(|d| RecordTable::in_place(ckpt, stacks, d), direct, opts.io)?,
     };
     // What the reads cost (packed records are padded): the bytes the slots must hold.
     footprint.expert_bytes = table.total_read_bytes();
+    let rewritten = rewrite.is_some();
+    let table = match rewrite {
+        Some(t) => table.with_transform(t)?,
+        None => table,
+    };
     let plan = MemoryPlan {
         direct_io: direct,
         ..plan_for(footprint)
@@ -91,7 +114,11 @@ pub(crate) fn open_source(
     if preload {
         engine.preload()?;
     }
-    Ok((Arc::new(engine), plan))
+    Ok(OpenedSource {
+        source: Arc::new(engine),
+        plan,
+        rewritten,
+    })
 }
 
 /// The record table, read directly when `direct`; under `--io auto` a filesystem that refuses direct reads

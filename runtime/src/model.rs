@@ -61,6 +61,8 @@ pub struct ModelInfo {
     pub moe_layers: usize,
     /// Bytes of the largest expert record (what one miss reads).
     pub expert_record_bytes: u64,
+    /// Expert records are rewritten into the int8 kernels' tiles as they load (cpu backend, 4-bit records).
+    pub tiled_experts: bool,
 }
 
 /// The token mixer of a decoder layer.

@@ -326,34 +326,7 @@ impl ExpertLayout {
     /// Gate, up and down matrices over one record's parts (no copy: each holds its part's bytes, and so the
     /// record's slot, while it lives).
     pub fn linears(&self, inter: usize, hidden: usize, parts: &[OwnedBytes]) -> Result<[Linear; 3]> {
-        let [fg, fu, fd] = self.formats;
-        let (pg, pu, pd) = (fg.parts(), fu.parts(), fd.parts());
-        let need = if self.fused { pg + pd } else { pg + pu + pd };
-        if parts.len() != need {
-            return Err(ModelError::InvalidArgument(format!(
-                "an expert record has {} parts; its layout needs {need}",
-                parts.len()
-            )));
-        }
-        let (gate, up, down) = if self.fused {
-            // Row-major `[2·inter, ·]` parts: the first half of each part's bytes is the gate's rows.
-            let half = |p: &OwnedBytes, first: bool| {
-                let mid = p.len() / 2;
-                p.slice(if first { 0..mid } else { mid..p.len() })
-                    .ok_or_else(|| ModelError::InvalidArgument("a fused expert part cannot be halved".into()))
-            };
-            (
-                parts[..pg].iter().map(|p| half(p, true)).collect::<Result<Vec<_>>>()?,
-                parts[..pg].iter().map(|p| half(p, false)).collect::<Result<Vec<_>>>()?,
-                parts[pg..].to_vec(),
-            )
-        } else {
-            (
-                parts[..pg].to_vec(),
-                parts[pg..pg + pu].to_vec(),
-                parts[pg + pu..].to_vec(),
-            )
-        };
+        let [gate, up, down] = self.split(parts, |p, r| p.slice(r))?;
         let linear = |format, rows, cols, parts| Linear {
             format,
             rows,
@@ -361,10 +334,56 @@ impl ExpertLayout {
             parts,
             bias: None,
         };
+        let [fg, fu, fd] = self.formats;
         Ok([
             linear(fg, inter, hidden, gate),
             linear(fu, inter, hidden, up),
             linear(fd, hidden, inter, down),
+        ])
+    }
+
+    /// Parts in one record (a fused gate/up shares one set).
+    pub fn record_parts(&self) -> usize {
+        let [pg, pu, pd] = self.formats.map(WeightFormat::parts);
+        if self.fused {
+            pg + pd
+        } else {
+            pg + pu + pd
+        }
+    }
+
+    /// One record's parts grouped into the gate's, the up's and the down's; `slice(p, range)` takes a byte
+    /// range of a part (a fused part's first half holds the gate's rows).
+    pub fn split<P: Clone + AsRef<[u8]>>(
+        &self,
+        parts: &[P],
+        slice: impl Fn(&P, std::ops::Range<usize>) -> Option<P>,
+    ) -> Result<[Vec<P>; 3]> {
+        let [pg, pu, _] = self.formats.map(WeightFormat::parts);
+        let need = self.record_parts();
+        if parts.len() != need {
+            return Err(ModelError::InvalidArgument(format!(
+                "an expert record has {} parts; its layout needs {need}",
+                parts.len()
+            )));
+        }
+        if !self.fused {
+            return Ok([
+                parts[..pg].to_vec(),
+                parts[pg..pg + pu].to_vec(),
+                parts[pg + pu..].to_vec(),
+            ]);
+        }
+        // Row-major `[2·inter, ·]` parts: the first half of each part's bytes is the gate's rows.
+        let half = |p: &P, first: bool| {
+            let (len, mid) = (p.as_ref().len(), p.as_ref().len() / 2);
+            slice(p, if first { 0..mid } else { mid..len })
+                .ok_or_else(|| ModelError::InvalidArgument("a fused expert part cannot be halved".into()))
+        };
+        Ok([
+            parts[..pg].iter().map(|p| half(p, true)).collect::<Result<Vec<_>>>()?,
+            parts[..pg].iter().map(|p| half(p, false)).collect::<Result<Vec<_>>>()?,
+            parts[pg..].to_vec(),
         ])
     }
 }

@@ -280,3 +280,56 @@ fn trained_perplexity_stays_within_half_a_percent_of_mlx_lm() {
         }
     }
 }
+
+/// Expert records tiled as they load give the same logits resident and streamed through a small cache (in
+/// place and from a packed store, buffered and direct), bit for bit, on every 4-bit MoE fixture. (That they
+/// hold the stored weights is `tests/tiled_experts.rs`.)
+#[test]
+fn tiled_expert_records_stream_equal_to_resident() {
+    use sluice_runtime::config::ModelConfig;
+    use sluice_runtime::cpu::q8::tiled_kernel_on;
+    use sluice_runtime::{convert_model, load_model_with, ExpertMode, ExpertOptions, IoMode};
+
+    set_q8_activations(true);
+    let tmp = tempfile::tempdir().unwrap();
+    let mut tiled = 0;
+    for dir in fixtures() {
+        let config = ModelConfig::load(&dir).unwrap();
+        let load = |path: &std::path::Path, mode, cache_bytes, io| {
+            let opts = ExpertOptions {
+                mode,
+                cache_bytes,
+                io,
+                ..ExpertOptions::default()
+            };
+            load_model_with(path, config.clone(), &opts).unwrap()
+        };
+        let resident = load(&dir, ExpertMode::Resident, None, IoMode::Auto);
+        if !resident.info.tiled_experts {
+            continue;
+        }
+        tiled += 1;
+        let store = tmp.path().join(format!("store{tiled}"));
+        convert_model(&dir, &store, false, &|_, _| {}).unwrap();
+        let want = common::prompt_logits(&resident);
+        for (path, io) in [
+            (&dir, IoMode::Buffered),
+            (&dir, IoMode::Direct),
+            (&store, IoMode::Buffered),
+        ] {
+            let m = load(path, ExpertMode::Stream, Some(256 << 10), io);
+            assert!(m.info.tiled_experts);
+            let got = common::prompt_logits(&m);
+            assert!(
+                got.iter().map(|x| x.to_bits()).eq(want.iter().map(|x| x.to_bits())),
+                "{}: streamed ({io:?}) differs from resident",
+                path.display()
+            );
+        }
+    }
+    if tiled_kernel_on(Isa::detect()) {
+        assert!(tiled >= 4, "only {tiled} fixtures had their records tiled");
+    } else {
+        assert_eq!(tiled, 0, "records tiled where the tiled kernel does not run");
+    }
+}

@@ -132,6 +132,8 @@ pub(crate) struct Report {
     pub(crate) io_depth: usize,
     pub(crate) prefill_chunk: usize,
     pub(crate) direct_io: bool,
+    /// Expert records rewritten into the int8 kernels' tiles as they load.
+    pub(crate) tiled_experts: bool,
     pub(crate) prefetch: String,
     pub(crate) threads: usize,
     pub(crate) load_seconds: f64,
@@ -351,6 +353,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         io_depth: opts.io_depth,
         prefill_chunk: chunk,
         direct_io: m.memory_plan.direct_io,
+        tiled_experts: m.info.tiled_experts,
         prefetch: match m.prefetch() {
             (PrefetchMode::None, _) => "none".to_string(),
             (mode, ahead) => format!("{mode:?}, {ahead} ahead"),
@@ -580,11 +583,12 @@ fn print_table(r: &Report) {
         r.expert_bytes_per_token as f64 / 1e6
     );
     println!(
-        "mode {} | slots {} | io depth {} | direct {} | prefetch {} | threads {} | load {:.1} s",
+        "mode {} | slots {} | io depth {} | direct {} | tiled {} | prefetch {} | threads {} | load {:.1} s",
         r.mode,
         r.cache_slots.map_or("-".into(), |s| s.to_string()),
         r.io_depth,
         r.direct_io,
+        r.tiled_experts,
         r.prefetch,
         r.threads,
         r.load_seconds

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::*;
-use crate::{CounterSnapshot, ReadAt, ReadOp, RecordLayout, SLOT_ALIGN};
+use crate::{CounterSnapshot, ReadAt, ReadOp, RecordLayout, RecordTransform, SLOT_ALIGN};
 
 /// Bytes of each record (one slot of [`SLOT_ALIGN`] bytes each).
 const REC: usize = 4096;
@@ -132,6 +132,7 @@ fn table_of(layers: &[usize]) -> (RecordTable, Arc<MemFile>) {
             }],
             parts: vec![(0, SPLIT), (SPLIT, REC - SPLIT)],
             checksum: Some(xxhash_rust::xxh3::xxh3_64(&data[at..at + REC])),
+            rewritten: None,
         }
     };
     let table = (layers.iter().enumerate())
@@ -672,4 +673,92 @@ fn two_fetches_of_one_record_share_one_read() {
     assert_eq!(counters(&src).reads, 3);
     assert_eq!(src.resident(), keys(&[5, 1]));
     assert_eq!(src.slot_census(), (0, 2));
+}
+
+/// Swaps a record's two parts and reverses each one's bytes; refuses expert [`Self::fails`].
+struct SwapParts {
+    fails: usize,
+}
+
+impl RecordTransform for SwapParts {
+    fn parts(&self, _layer: usize, read: &[(usize, usize)]) -> Option<Vec<(usize, usize)>> {
+        let (a, b) = (read[0].1, read[1].1);
+        Some(vec![(b, a), (0, b)])
+    }
+
+    fn apply(
+        &self,
+        _layer: usize,
+        record: &[u8],
+        from: &[(usize, usize)],
+        slot: &mut [u8],
+        to: &[(usize, usize)],
+    ) -> Result<(), String> {
+        if u64::from_le_bytes(record[8..16].try_into().unwrap()) == self.fails as u64 {
+            return Err("refused".into());
+        }
+        for (&(src, len), &(dst, _)) in from.iter().zip(to) {
+            let bytes = record[src..src + len].iter().rev();
+            slot[dst..dst + len].iter_mut().zip(bytes).for_each(|(d, s)| *d = *s);
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn a_transform_rewrites_each_record_after_its_checksum_passes() {
+    let (t, _file) = table();
+    let t = t.with_transform(Arc::new(SwapParts { fails: 5 })).unwrap();
+    let src = StreamingSource::new(t, &options(3 * SLOT, 2)).unwrap();
+    for expert in [0, 7, 2, 0, 4, 1] {
+        // Checksums are of the stored bytes: were they checked after the rewrite, every read would fail.
+        let rec = src.read_expert(LAYER, expert).unwrap();
+        let want = record_bytes(LAYER, expert);
+        let lens: Vec<usize> = rec.parts.iter().map(|p| p.len()).collect();
+        assert_eq!(lens, [SPLIT, REC - SPLIT]);
+        for (part, range) in rec.parts.iter().zip([0..SPLIT, SPLIT..REC]) {
+            let got: Vec<u8> = part.iter().rev().copied().collect();
+            assert!(
+                got == want[range],
+                "expert {expert}: a rewritten part has the wrong bytes"
+            );
+        }
+    }
+    let err = src.read_expert(LAYER, 5).unwrap_err().to_string();
+    assert!(err.contains("expert 5") && err.contains("refused"), "{err}");
+    assert_eq!(
+        src.slot_census().0 + src.slot_census().1,
+        3,
+        "the failed rewrite leaked its slot"
+    );
+    assert_eq!(
+        src.read_expert(LAYER, 3).unwrap().len(),
+        REC,
+        "no service after a failed rewrite"
+    );
+}
+
+/// Moves the second part past the end of the record.
+struct Overflow;
+
+impl RecordTransform for Overflow {
+    fn parts(&self, _layer: usize, read: &[(usize, usize)]) -> Option<Vec<(usize, usize)>> {
+        Some(vec![read[0], (REC, read[1].1)])
+    }
+    fn apply(
+        &self,
+        _: usize,
+        _: &[u8],
+        _: &[(usize, usize)],
+        _: &mut [u8],
+        _: &[(usize, usize)],
+    ) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_transform_whose_records_outgrow_their_slots_is_refused() {
+    let err = table().0.with_transform(Arc::new(Overflow)).err().unwrap().to_string();
+    assert!(err.contains("slot bytes"), "{err}");
 }

@@ -10,6 +10,7 @@ pub mod cpu;
 #[cfg(feature = "mlx")]
 pub mod mlx;
 pub mod reference;
+pub(crate) mod tiled_experts;
 
 use std::ops::Range;
 

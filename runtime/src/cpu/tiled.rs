@@ -49,37 +49,56 @@ pub fn can_tile(q: &QuantMatrix<'_>) -> bool {
 
 /// `q` repacked into tiles, or `None` when [`can_tile`] says no.
 pub fn tile(q: &QuantMatrix<'_>) -> Option<Vec<u8>> {
-    if !can_tile(q) {
-        return None;
+    let mut out = vec![0u8; tiled_len(q.rows, q.cols, q.group, q.scale_type)];
+    tile_into(q, &mut out).then_some(out)
+}
+
+/// Writes `q`'s tiles into `out` (`tiled_len(..)` bytes, every byte written); false when [`can_tile`] says
+/// no or `out` has the wrong length.
+pub fn tile_into(q: &QuantMatrix<'_>, out: &mut [u8]) -> bool {
+    if !can_tile(q) || out.len() != tiled_len(q.rows, q.cols, q.group, q.scale_type) {
+        return false;
     }
     let size = q.scale_type.size();
     let (groups, gb) = (q.cols / q.group, group_bytes(q.group, q.scale_type));
     let row_bytes = q.cols / 2;
-    let code = |r: usize, c: usize| (q.packed[r * row_bytes + c / 2] >> (4 * (c % 2))) & 0x0f;
-    let mut out = vec![0u8; tiled_len(q.rows, q.cols, q.group, q.scale_type)];
     for (t, tile) in out.chunks_mut(groups * gb).enumerate() {
-        let rows = (t * TILE_ROWS..q.rows).take(TILE_ROWS);
+        let first = t * TILE_ROWS;
+        let rows = TILE_ROWS.min(q.rows - first);
         for (g, dst) in tile.chunks_mut(gb).enumerate() {
-            for (l, r) in rows.clone().enumerate() {
-                let src = (r * groups + g) * size;
-                dst[l * size..(l + 1) * size].copy_from_slice(&q.scales[src..src + size]);
-                let b = TILE_ROWS * size + l * size;
-                dst[b..b + size].copy_from_slice(&q.biases[src..src + size]);
+            let (params, codes) = dst.split_at_mut(2 * TILE_ROWS * size);
+            let (scales, biases) = params.split_at_mut(TILE_ROWS * size);
+            for (dst, src) in [(scales, q.scales), (biases, q.biases)] {
+                for l in 0..TILE_ROWS {
+                    let d = &mut dst[l * size..(l + 1) * size];
+                    match l < rows {
+                        true => d.copy_from_slice(&src[((first + l) * groups + g) * size..][..size]),
+                        false => d.fill(0),
+                    }
+                }
             }
-            let codes = &mut dst[2 * TILE_ROWS * size..];
             for (kb, block) in codes.chunks_mut(BLOCK_BYTES).enumerate() {
-                let c0 = g * q.group + kb * BLOCK;
-                for (l, r) in rows.clone().enumerate() {
-                    for k in 0..4 {
-                        for j in 0..4 {
-                            block[64 * k + 4 * l + j] = code(r, c0 + 4 * k + j) | code(r, c0 + 16 + 4 * k + j) << 4;
+                let at = (g * q.group + kb * BLOCK) / 2;
+                for l in 0..TILE_ROWS {
+                    // Row-major: byte i holds columns 2i (low) and 2i+1 (high). Tiled: byte m = 4k+j holds
+                    // columns m (low) and 16+m (high), and goes to vector k, lane l.
+                    let mut b = [0u8; 16];
+                    if l < rows {
+                        let src = &q.packed[(first + l) * row_bytes + at..][..16];
+                        for i in 0..8 {
+                            let (lo, hi) = (src[i], src[8 + i]);
+                            b[2 * i] = (lo & 0x0f) | (hi << 4);
+                            b[2 * i + 1] = (lo >> 4) | (hi & 0xf0);
                         }
+                    }
+                    for (k, four) in b.chunks_exact(4).enumerate() {
+                        block[64 * k + 4 * l..][..4].copy_from_slice(four);
                     }
                 }
             }
         }
     }
-    Some(out)
+    true
 }
 
 impl TiledMatrix<'_> {
@@ -133,6 +152,9 @@ mod tests {
                 cols,
             };
             let data = tile(&q).unwrap();
+            // Into a slot that held something else: every byte is written, padding rows included.
+            let mut dirty = vec![0xaa; data.len()];
+            assert!(tile_into(&q, &mut dirty) && dirty == data);
             let t = TiledMatrix {
                 data: &data,
                 scale_type: st,

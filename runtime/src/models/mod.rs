@@ -12,6 +12,7 @@ use expert_store::{ExpertSource, StackedExperts};
 use crate::attention::{Attention, AttnSpec};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::reference::ReferenceBackend;
+use crate::backend::tiled_experts::TiledExperts;
 use crate::backend::Backend;
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
@@ -69,7 +70,24 @@ pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &Expe
         ModelLocation::Store(store, _) => Some(store.as_ref()),
         ModelLocation::Dir(_) => None,
     };
-    let (source, memory_plan) = open_source(weights.checkpoint(), &stacks, store, opts, footprint(&arch.dims))?;
+    let tiles = expert_tiles(&arch, &layouts, opts);
+    let rewrite = tiles.clone().map(|t| t as Arc<dyn expert_store::RecordTransform>);
+    let opened = open_source(
+        weights.checkpoint(),
+        &stacks,
+        store,
+        opts,
+        footprint(&arch.dims),
+        rewrite,
+    )?;
+    let (source, memory_plan) = (opened.source, opened.plan);
+    let tiles = tiles.filter(|_| opened.rewritten);
+    let layouts = match &tiles {
+        Some(t) => (arch.moe_layers().zip(layouts))
+            .map(|((l, _), f)| t.layout(l).unwrap_or(f))
+            .collect(),
+        None => layouts,
+    };
     let d = &arch.dims;
     let info = ModelInfo {
         model_type: weights.config().model_type.clone(),
@@ -81,6 +99,7 @@ pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &Expe
         num_layers: d.layers,
         moe_layers: stacks.len(),
         expert_record_bytes: crate::expert_source::record_bytes(weights.checkpoint(), &stacks, store),
+        tiled_experts: tiles.is_some(),
     };
     let parts = Parts {
         w: &weights,
@@ -113,6 +132,14 @@ pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &Expe
         memory_plan,
         runner,
     })
+}
+
+/// The rewrite into the int8 kernels' tiles, for the cpu backend where that kernel runs and for the MoE layers
+/// whose records can be tiled (`None`: records stay as stored).
+fn expert_tiles(arch: &Architecture, layouts: &[ExpertLayout], opts: &ExpertOptions) -> Option<Arc<TiledExperts>> {
+    let on = opts.backend == BackendKind::Cpu && crate::cpu::q8::tiled_kernel_on(crate::cpu::Isa::detect());
+    let layers = (arch.moe_layers().zip(layouts)).map(|((l, inter), f)| (l, *f, inter, arch.dims.hidden));
+    Some(Arc::new(TiledExperts::new(layers))).filter(|t| on && !t.is_empty())
 }
 
 /// The architecture's description function for a `model_type`.
@@ -154,6 +181,14 @@ impl Architecture {
     pub fn new(dims: DecoderDims, plan: impl Fn(usize) -> FfnPlan) -> Self {
         let ffn = (0..dims.layers).map(plan).collect();
         Self { dims, ffn }
+    }
+
+    /// Each MoE layer's index and intermediate size, in order.
+    fn moe_layers(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        (self.ffn.iter().enumerate()).filter_map(|(i, p)| match p {
+            FfnPlan::Moe { inter, .. } => Some((i, *inter)),
+            FfnPlan::Dense { .. } => None,
+        })
     }
 
     /// Experts per MoE layer (`None` for a dense model).

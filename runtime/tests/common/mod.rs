@@ -22,6 +22,19 @@ pub fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures").join(name)
 }
 
+/// Every position's logits for a fixed 9-token prompt.
+#[allow(dead_code)] // not every test binary uses it
+pub fn prompt_logits(m: &sluice_runtime::DecoderModel) -> Vec<f32> {
+    let mut cache = m.new_cache();
+    let vocab = m.info.vocab_size as u32;
+    let prompt: Vec<u32> = (0..9).map(|i| (i * 37 + 5) % vocab).collect();
+    let opts = sluice_runtime::ForwardOptions {
+        all_logits: true,
+        ..Default::default()
+    };
+    m.forward(&prompt, &mut cache, &opts).unwrap()
+}
+
 /// Checks `got` against `want` logit by logit within the golden tolerance (1e-3 + 1e-3·|want|; f32 on both
 /// sides, the gap is summation order and transcendental functions); names both sides in the failure. Returns
 /// the largest difference.

@@ -1,0 +1,283 @@
+//! The cpu backend's expert records, rewritten into the int8 kernels' 16-row tiles (`crate::cpu::tiled`) by
+//! the expert store's I/O threads as each read lands. The files keep MLX's layout, which every backend and
+//! `--experts mmap` read; only the slots hold tiles, so nothing about the store changes and the rewrite costs
+//! one pass over each record read (not per use: a cached record stays tiled).
+
+use std::collections::HashMap;
+
+use expert_store::RecordTransform;
+
+use crate::cpu::{tiled, MatRef};
+use crate::linear::WeightFormat;
+use crate::weights::ExpertLayout;
+
+/// One MoE layer's records: as stored, their matrices' shapes, and as tiled.
+#[derive(Debug, Clone, Copy)]
+struct LayerRecords {
+    stored: ExpertLayout,
+    tiled: ExpertLayout,
+    inter: usize,
+    hidden: usize,
+}
+
+impl LayerRecords {
+    /// Gate, up and down: format as stored, rows, cols.
+    fn matrices(&self) -> [(WeightFormat, usize, usize); 3] {
+        let [g, u, d] = self.stored.formats;
+        [
+            (g, self.inter, self.hidden),
+            (u, self.inter, self.hidden),
+            (d, self.hidden, self.inter),
+        ]
+    }
+}
+
+/// Tiles the records of every MoE layer whose three matrices can all be tiled.
+#[derive(Debug, Default)]
+pub struct TiledExperts {
+    layers: HashMap<usize, LayerRecords>,
+}
+
+/// `layout`'s records as tiles: every matrix 4-bit with whole 32-column blocks per group, and whole 16-row
+/// tiles (so a tiled record has exactly the stored record's bytes and fits the slot its reads fill).
+pub fn tiled_layout(layout: &ExpertLayout, inter: usize, hidden: usize) -> Option<ExpertLayout> {
+    let shapes = [(inter, hidden), (inter, hidden), (hidden, inter)];
+    let mut formats = layout.formats;
+    for (f, (rows, cols)) in formats.iter_mut().zip(shapes) {
+        match *f {
+            WeightFormat::Affine {
+                bits: 4,
+                group,
+                scale_type,
+            } if group % 32 == 0 && group > 0 && cols % group == 0 && rows % tiled::TILE_ROWS == 0 => {
+                *f = WeightFormat::Tiled { group, scale_type }
+            }
+            _ => return None,
+        }
+    }
+    Some(ExpertLayout { formats, fused: false })
+}
+
+impl TiledExperts {
+    /// For `(layer, stored layout, intermediate size, hidden size)` of each MoE layer; layers that cannot be
+    /// tiled are left as stored.
+    pub fn new(layers: impl IntoIterator<Item = (usize, ExpertLayout, usize, usize)>) -> Self {
+        let layers = (layers.into_iter())
+            .filter_map(|(layer, stored, inter, hidden)| {
+                let tiled = tiled_layout(&stored, inter, hidden)?;
+                Some((
+                    layer,
+                    LayerRecords {
+                        stored,
+                        tiled,
+                        inter,
+                        hidden,
+                    },
+                ))
+            })
+            .collect();
+        Self { layers }
+    }
+
+    /// The layout `layer`'s records have once loaded (`None`: as stored).
+    pub fn layout(&self, layer: usize) -> Option<ExpertLayout> {
+        self.layers.get(&layer).map(|l| l.tiled)
+    }
+
+    /// Whether no layer is tiled.
+    pub fn is_empty(&self) -> bool {
+        self.layers.is_empty()
+    }
+}
+
+impl RecordTransform for TiledExperts {
+    fn parts(&self, layer: usize, read: &[(usize, usize)]) -> Option<Vec<(usize, usize)>> {
+        let l = self.layers.get(&layer)?;
+        // Gate, up and down one after the other from the slot's start; every tiled length is a multiple of
+        // 64 bytes, so each stays aligned for the kernels' loads.
+        let mut at = 0;
+        let parts = (l.matrices().iter().zip(l.tiled.formats))
+            .map(|(&(_, rows, cols), f)| {
+                let len = f.part_bytes(rows, cols)[0];
+                at += len;
+                (at - len, len)
+            })
+            .collect();
+        (read.len() == l.stored.record_parts()).then_some(parts)
+    }
+
+    fn apply(
+        &self,
+        layer: usize,
+        record: &[u8],
+        from: &[(usize, usize)],
+        slot: &mut [u8],
+        to: &[(usize, usize)],
+    ) -> Result<(), String> {
+        let l = self.layers.get(&layer).ok_or("no tiling for this layer")?;
+        let parts = (from.iter())
+            .map(|&(at, len)| record.get(at..at + len))
+            .collect::<Option<Vec<&[u8]>>>()
+            .ok_or("a part lies outside the record")?;
+        let split = l.stored.split(&parts, |p, r| p.get(r)).map_err(|e| e.to_string())?;
+        for ((&(format, rows, cols), parts), &(at, len)) in l.matrices().iter().zip(&split).zip(to) {
+            let want = format.part_bytes(rows, cols);
+            if parts.iter().map(|p| p.len()).ne(want.iter().copied()) {
+                return Err(format!("a {rows}×{cols} matrix's parts are not {want:?} bytes"));
+            }
+            let MatRef::Quant(q) = format.view(rows, cols, parts) else {
+                return Err("not a quantized matrix".into());
+            };
+            let dst = slot
+                .get_mut(at..at + len)
+                .ok_or("a tiled matrix lies outside the slot")?;
+            if !tiled::tile_into(&q, dst) {
+                return Err(format!("a {rows}×{cols} matrix cannot be tiled"));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use expert_store::OwnedBytes;
+
+    use super::*;
+    use crate::cpu::testutil::{encode, pack};
+    use crate::cpu::{FloatType, Isa};
+
+    const INTER: usize = 64;
+    const HIDDEN: usize = 128;
+
+    fn q4(group: usize, scale_type: FloatType) -> WeightFormat {
+        WeightFormat::Affine {
+            bits: 4,
+            group,
+            scale_type,
+        }
+    }
+
+    /// The parts of a `[rows, cols]` 4-bit matrix with weights that differ by `seed`.
+    fn matrix_parts(rows: usize, cols: usize, group: usize, st: FloatType, seed: usize) -> Vec<Vec<u8>> {
+        let codes: Vec<u32> = (0..rows * cols).map(|i| ((i * 7 + seed + i / 9) % 16) as u32).collect();
+        let s: Vec<f32> = (0..rows * cols / group)
+            .map(|i| 0.01 * (i + seed) as f32 - 0.2)
+            .collect();
+        let b: Vec<f32> = (0..rows * cols / group)
+            .map(|i| 0.3 - 0.02 * (i * seed % 7) as f32)
+            .collect();
+        vec![pack(4, &codes), encode(st, &s), encode(st, &b)]
+    }
+
+    /// A record as a slot holds it after its reads: `parts` one after the other at 64-byte boundaries,
+    /// after a 64-byte lead; returns the slot and the parts' places.
+    fn slot_of(parts: &[Vec<u8>]) -> (Vec<u8>, Vec<(usize, usize)>) {
+        let mut slot = vec![0xaau8; 64];
+        let mut places = Vec::new();
+        for p in parts {
+            places.push((slot.len(), p.len()));
+            slot.extend_from_slice(p);
+            slot.resize(slot.len().next_multiple_of(64), 0xaa);
+        }
+        (slot, places)
+    }
+
+    fn rows_of(l: &crate::linear::Linear) -> Vec<Vec<f32>> {
+        (0..l.rows)
+            .map(|r| {
+                let mut row = vec![0f32; l.cols];
+                l.mat().row(Isa::Scalar, r, &mut row);
+                row
+            })
+            .collect()
+    }
+
+    #[test]
+    fn tiled_records_hold_the_same_weights_as_stored_ones() {
+        for (fused, group, st) in [
+            (false, 64, FloatType::BF16),
+            (true, 32, FloatType::F16),
+            (false, 64, FloatType::F32),
+        ] {
+            let stored = ExpertLayout {
+                formats: [q4(group, st); 3],
+                fused,
+            };
+            let parts = match fused {
+                // One [2·inter, hidden] gate/up matrix, gate rows first, then down.
+                true => [
+                    matrix_parts(2 * INTER, HIDDEN, group, st, 1),
+                    matrix_parts(HIDDEN, INTER, group, st, 3),
+                ]
+                .concat(),
+                false => [
+                    matrix_parts(INTER, HIDDEN, group, st, 1),
+                    matrix_parts(INTER, HIDDEN, group, st, 2),
+                    matrix_parts(HIDDEN, INTER, group, st, 3),
+                ]
+                .concat(),
+            };
+            let (read, from) = slot_of(&parts);
+            let as_read: Vec<OwnedBytes> = parts.iter().map(|p| OwnedBytes::from_vec(p.clone())).collect();
+            let want = stored.linears(INTER, HIDDEN, &as_read).unwrap();
+
+            let t = TiledExperts::new([(5, stored, INTER, HIDDEN)]);
+            assert!(t.parts(4, &from).is_none(), "a layer without tiling is left as read");
+            let to = t.parts(5, &from).unwrap();
+            assert!(to.iter().all(|&(at, len)| at + len <= read.len() && at % 64 == 0));
+            let mut slot = read.clone();
+            t.apply(5, &read, &from, &mut slot, &to).unwrap();
+
+            let slot = OwnedBytes::from_vec(slot);
+            let tiled: Vec<OwnedBytes> = to.iter().map(|&(at, len)| slot.slice(at..at + len).unwrap()).collect();
+            let got = t.layout(5).unwrap().linears(INTER, HIDDEN, &tiled).unwrap();
+            for (name, (g, w)) in ["gate", "up", "down"].iter().zip(got.iter().zip(&want)) {
+                assert!(matches!(g.format, WeightFormat::Tiled { .. }));
+                assert_eq!(rows_of(g), rows_of(w), "fused {fused} g{group} {st:?}: {name}");
+            }
+        }
+    }
+
+    #[test]
+    fn only_records_that_tile_whole_are_tiled_and_bad_ones_are_errors() {
+        let f = q4(64, FloatType::BF16);
+        let ok = ExpertLayout {
+            formats: [f; 3],
+            fused: false,
+        };
+        let eight = ExpertLayout {
+            formats: [
+                f,
+                WeightFormat::Affine {
+                    bits: 8,
+                    group: 64,
+                    scale_type: FloatType::BF16,
+                },
+                f,
+            ],
+            fused: false,
+        };
+        // 8-bit up, a partial tile (gate and up rows) and groups that do not divide the columns (down's) stay
+        // as stored.
+        let t = TiledExperts::new([(0, ok, INTER, HIDDEN), (1, eight, INTER, HIDDEN), (2, ok, 40, HIDDEN)]);
+        assert!(t.layout(0).is_some() && t.layout(1).is_none() && t.layout(2).is_none());
+
+        // A record whose parts are short is an error, not a panic.
+        let parts = [
+            matrix_parts(INTER, HIDDEN, 64, FloatType::BF16, 1),
+            matrix_parts(INTER, HIDDEN, 64, FloatType::BF16, 2),
+            matrix_parts(HIDDEN, INTER, 64, FloatType::BF16, 3),
+        ]
+        .concat();
+        let (read, mut from) = slot_of(&parts);
+        from[4].1 -= 2;
+        let to = t.parts(0, &from).unwrap();
+        let err = t.apply(0, &read, &from, &mut read.clone(), &to).unwrap_err();
+        assert!(err.contains("64×128"), "{err}");
+        assert!(
+            t.parts(0, &from[..8]).is_none(),
+            "a record with too few parts is left as read"
+        );
+    }
+}
