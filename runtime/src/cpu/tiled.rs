@@ -63,42 +63,90 @@ pub fn tile_into(q: &QuantMatrix<'_>, out: &mut [u8]) -> bool {
     let (groups, gb) = (q.cols / q.group, group_bytes(q.group, q.scale_type));
     let row_bytes = q.cols / 2;
     for (t, tile) in out.chunks_mut(groups * gb).enumerate() {
-        let first = t * TILE_ROWS;
-        let rows = TILE_ROWS.min(q.rows - first);
+        // The tile's rows of codes, scales and biases; padding rows are empty (they tile as zeros).
+        let rows = |part, len| tile_rows(part, t * TILE_ROWS, q.rows, len);
+        let (codes, scales, biases) = (
+            rows(q.packed, row_bytes),
+            rows(q.scales, groups * size),
+            rows(q.biases, groups * size),
+        );
         for (g, dst) in tile.chunks_mut(gb).enumerate() {
-            let (params, codes) = dst.split_at_mut(2 * TILE_ROWS * size);
-            let (scales, biases) = params.split_at_mut(TILE_ROWS * size);
-            for (dst, src) in [(scales, q.scales), (biases, q.biases)] {
-                for l in 0..TILE_ROWS {
-                    let d = &mut dst[l * size..(l + 1) * size];
-                    match l < rows {
-                        true => d.copy_from_slice(&src[((first + l) * groups + g) * size..][..size]),
-                        false => d.fill(0),
-                    }
-                }
-            }
-            for (kb, block) in codes.chunks_mut(BLOCK_BYTES).enumerate() {
+            let (params, dst) = dst.split_at_mut(2 * TILE_ROWS * size);
+            let (s, b) = params.split_at_mut(TILE_ROWS * size);
+            match size {
+                2 => (copy_params::<2>(&scales, g, s), copy_params::<2>(&biases, g, b)),
+                _ => (copy_params::<4>(&scales, g, s), copy_params::<4>(&biases, g, b)),
+            };
+            for (kb, block) in dst.chunks_mut(BLOCK_BYTES).enumerate() {
                 let at = (g * q.group + kb * BLOCK) / 2;
-                for l in 0..TILE_ROWS {
-                    // Row-major: byte i holds columns 2i (low) and 2i+1 (high). Tiled: byte m = 4k+j holds
-                    // columns m (low) and 16+m (high), and goes to vector k, lane l.
-                    let mut b = [0u8; 16];
-                    if l < rows {
-                        let src = &q.packed[(first + l) * row_bytes + at..][..16];
-                        for i in 0..8 {
-                            let (lo, hi) = (src[i], src[8 + i]);
-                            b[2 * i] = (lo & 0x0f) | (hi << 4);
-                            b[2 * i + 1] = (lo >> 4) | (hi & 0xf0);
-                        }
-                    }
-                    for (k, four) in b.chunks_exact(4).enumerate() {
-                        block[64 * k + 4 * l..][..4].copy_from_slice(four);
+                let mut src = [0u8; BLOCK_BYTES];
+                for (row, codes) in src.chunks_exact_mut(16).zip(&codes) {
+                    if let Some(c) = codes.get(at..at + 16) {
+                        row.copy_from_slice(c);
                     }
                 }
+                tile_block(&src, block.try_into().expect("a block is 256 bytes"));
             }
         }
     }
     true
+}
+
+/// Rows `first .. first + 16` of `part` (`len` bytes each); rows at or past `rows` are empty.
+fn tile_rows(part: &[u8], first: usize, rows: usize, len: usize) -> [&[u8]; TILE_ROWS] {
+    std::array::from_fn(|l| match first + l < rows {
+        true => part.get((first + l) * len..(first + l + 1) * len).unwrap_or_default(),
+        false => &[],
+    })
+}
+
+/// Group `g`'s scale (or bias) of each of a tile's rows, `S` bytes each, into `dst` (zero for padding rows).
+fn copy_params<const S: usize>(rows: &[&[u8]; TILE_ROWS], g: usize, dst: &mut [u8]) {
+    for (d, r) in dst.chunks_exact_mut(S).zip(rows) {
+        let v: [u8; S] = r
+            .get(g * S..(g + 1) * S)
+            .and_then(|v| v.try_into().ok())
+            .unwrap_or([0; S]);
+        d.copy_from_slice(&v);
+    }
+}
+
+/// One tile's 32-column block: `src` holds each of the 16 rows' 16 row-major code bytes, one after the other.
+fn tile_block(src: &[u8; BLOCK_BYTES], dst: &mut [u8; BLOCK_BYTES]) {
+    #[cfg(target_arch = "x86_64")]
+    super::x86::tile_block(src, dst);
+    #[cfg(not(target_arch = "x86_64"))]
+    tile_block_scalar(src, dst);
+}
+
+/// [`tile_block`] a row and a 4-byte word at a time.
+#[cfg_attr(target_arch = "x86_64", allow(dead_code))] // the x86-64 build's oracle for its SSE2 version
+fn tile_block_scalar(src: &[u8; BLOCK_BYTES], dst: &mut [u8; BLOCK_BYTES]) {
+    for (l, row) in src.chunks_exact(16).enumerate() {
+        // Byte 4k+j of a row goes to vector k, lane l.
+        for (k, word) in interleave_block(row).chunks_exact(4).enumerate() {
+            dst[64 * k + 4 * l..][..4].copy_from_slice(word);
+        }
+    }
+}
+
+/// One row's 32-column block from row-major codes (byte `i`: column `2i` low, `2i+1` high) to tiled order
+/// (byte `m`: column `m` low, `16 + m` high), eight bytes at a time.
+fn interleave_block(src: &[u8]) -> [u8; 16] {
+    const LOW: u64 = 0x0f0f_0f0f_0f0f_0f0f;
+    let word = |b: &[u8]| u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
+    let (lo, hi) = (word(&src[..8]), word(&src[8..16]));
+    // Byte i of `even` is output byte 2i (columns 2i and 16+2i); of `odd`, output byte 2i+1.
+    let even = (lo & LOW) | ((hi & LOW) << 4);
+    let odd = ((lo >> 4) & LOW) | (hi & !LOW);
+    // Spread each u64's bytes to the even bytes of a u128.
+    let spread = |x: u64| {
+        let x = x as u128;
+        let x = (x | (x << 32)) & 0x0000_0000_ffff_ffff_0000_0000_ffff_ffff;
+        let x = (x | (x << 16)) & 0x0000_ffff_0000_ffff_0000_ffff_0000_ffff;
+        (x | (x << 8)) & 0x00ff_00ff_00ff_00ff_00ff_00ff_00ff_00ff
+    };
+    (spread(even) | (spread(odd) << 8)).to_le_bytes()
 }
 
 impl TiledMatrix<'_> {
@@ -129,6 +177,18 @@ mod tests {
     use super::*;
     use crate::cpu::testutil::{encode, pack};
     use crate::cpu::{Isa, MatRef};
+
+    #[test]
+    fn the_simd_block_transform_equals_the_scalar_one() {
+        for seed in 0..50u32 {
+            let src: [u8; BLOCK_BYTES] =
+                std::array::from_fn(|i| ((i as u32).wrapping_mul(2654435761) ^ seed.wrapping_mul(40503)) as u8);
+            let (mut a, mut b) = ([0u8; BLOCK_BYTES], [1u8; BLOCK_BYTES]);
+            tile_block(&src, &mut a);
+            tile_block_scalar(&src, &mut b);
+            assert_eq!(a, b, "seed {seed}");
+        }
+    }
 
     #[test]
     fn a_tiled_matrix_dequantizes_to_the_same_rows() {

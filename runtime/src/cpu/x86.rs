@@ -991,3 +991,35 @@ unsafe fn q4_tiled<const TY: u8, const T: usize>(a: &TiledArgs<'_>, out: &mut [f
         }
     }
 }
+
+/// `tiled::tile_block` in SSE2 (part of x86-64): per row, low nibbles of bytes `i` and `8+i` pair into byte `2i`
+/// and high nibbles into `2i+1`; then 4×4 transposes of 32-bit words put word `k` of rows `4j..4j+4` at vector
+/// `k`, lanes `4j..4j+4`.
+pub(super) fn tile_block(src: &[u8; 256], dst: &mut [u8; 256]) {
+    // SAFETY: SSE2 is baseline on x86-64; loads read `src[16l..16l+16]` (l < 16) and stores write
+    // `dst[64k+16j..64k+16j+16]` (k, j < 4), all inside the 256-byte arrays.
+    unsafe {
+        let m = _mm_set1_epi8(0x0f);
+        let mut t = [_mm_setzero_si128(); 16];
+        for (l, t) in t.iter_mut().enumerate() {
+            let v = _mm_loadu_si128(src.as_ptr().add(16 * l) as *const __m128i);
+            let hi = _mm_srli_si128::<8>(v);
+            let even = _mm_or_si128(_mm_and_si128(v, m), _mm_slli_epi16::<4>(_mm_and_si128(hi, m)));
+            let odd = _mm_or_si128(_mm_and_si128(_mm_srli_epi16::<4>(v), m), _mm_andnot_si128(m, hi));
+            *t = _mm_unpacklo_epi8(even, odd);
+        }
+        for (j, r) in t.chunks_exact(4).enumerate() {
+            let (ab_lo, ab_hi) = (_mm_unpacklo_epi32(r[0], r[1]), _mm_unpackhi_epi32(r[0], r[1]));
+            let (cd_lo, cd_hi) = (_mm_unpacklo_epi32(r[2], r[3]), _mm_unpackhi_epi32(r[2], r[3]));
+            let words = [
+                _mm_unpacklo_epi64(ab_lo, cd_lo),
+                _mm_unpackhi_epi64(ab_lo, cd_lo),
+                _mm_unpacklo_epi64(ab_hi, cd_hi),
+                _mm_unpackhi_epi64(ab_hi, cd_hi),
+            ];
+            for (k, w) in words.into_iter().enumerate() {
+                _mm_storeu_si128(dst.as_mut_ptr().add(64 * k + 16 * j) as *mut __m128i, w);
+            }
+        }
+    }
+}
