@@ -327,19 +327,21 @@ impl ExpertLayout {
     /// record's slot, while it lives).
     pub fn linears(&self, inter: usize, hidden: usize, parts: &[OwnedBytes]) -> Result<[Linear; 3]> {
         let [gate, up, down] = self.split(parts, |p, r| p.slice(r))?;
-        let linear = |format, rows, cols, parts| Linear {
+        let linear = |format, (rows, cols), parts| Linear {
             format,
             rows,
             cols,
             parts,
             bias: None,
         };
-        let [fg, fu, fd] = self.formats;
-        Ok([
-            linear(fg, inter, hidden, gate),
-            linear(fu, inter, hidden, up),
-            linear(fd, hidden, inter, down),
-        ])
+        let [(fg, gs), (fu, us), (fd, ds)] = self.matrices(inter, hidden);
+        Ok([linear(fg, gs, gate), linear(fu, us, up), linear(fd, ds, down)])
+    }
+
+    /// Gate, up and down: each one's format and (rows, cols).
+    pub fn matrices(&self, inter: usize, hidden: usize) -> [(WeightFormat, (usize, usize)); 3] {
+        let [g, u, d] = self.formats;
+        [(g, (inter, hidden)), (u, (inter, hidden)), (d, (hidden, inter))]
     }
 
     /// Parts in one record (a fused gate/up shares one set).

@@ -20,18 +20,6 @@ struct LayerRecords {
     hidden: usize,
 }
 
-impl LayerRecords {
-    /// Gate, up and down: format as stored, rows, cols.
-    fn matrices(&self) -> [(WeightFormat, usize, usize); 3] {
-        let [g, u, d] = self.stored.formats;
-        [
-            (g, self.inter, self.hidden),
-            (u, self.inter, self.hidden),
-            (d, self.hidden, self.inter),
-        ]
-    }
-}
-
 /// Tiles the records of every MoE layer whose three matrices can all be tiled.
 #[derive(Debug, Default)]
 pub struct TiledExperts {
@@ -40,16 +28,15 @@ pub struct TiledExperts {
 
 /// `layout`'s records as tiles: every matrix 4-bit with whole 32-column blocks per group, and whole 16-row
 /// tiles (so a tiled record has exactly the stored record's bytes and fits the slot its reads fill).
-pub fn tiled_layout(layout: &ExpertLayout, inter: usize, hidden: usize) -> Option<ExpertLayout> {
-    let shapes = [(inter, hidden), (inter, hidden), (hidden, inter)];
+fn tiled_layout(layout: &ExpertLayout, inter: usize, hidden: usize) -> Option<ExpertLayout> {
     let mut formats = layout.formats;
-    for (f, (rows, cols)) in formats.iter_mut().zip(shapes) {
+    for (f, (_, (rows, cols))) in formats.iter_mut().zip(layout.matrices(inter, hidden)) {
         match *f {
             WeightFormat::Affine {
-                bits: 4,
+                bits,
                 group,
                 scale_type,
-            } if group % 32 == 0 && group > 0 && cols % group == 0 && rows % tiled::TILE_ROWS == 0 => {
+            } if tiled::tiles(bits, group, cols) && rows % tiled::TILE_ROWS == 0 => {
                 *f = WeightFormat::Tiled { group, scale_type }
             }
             _ => return None,
@@ -96,8 +83,8 @@ impl RecordTransform for TiledExperts {
         // Gate, up and down one after the other from the slot's start; every tiled length is a multiple of
         // 64 bytes, so each stays aligned for the kernels' loads.
         let mut at = 0;
-        let parts = (l.matrices().iter().zip(l.tiled.formats))
-            .map(|(&(_, rows, cols), f)| {
+        let parts = (l.tiled.matrices(l.inter, l.hidden).iter())
+            .map(|&(f, (rows, cols))| {
                 let len = f.part_bytes(rows, cols)[0];
                 at += len;
                 (at - len, len)
@@ -120,7 +107,8 @@ impl RecordTransform for TiledExperts {
             .collect::<Option<Vec<&[u8]>>>()
             .ok_or("a part lies outside the record")?;
         let split = l.stored.split(&parts, |p, r| p.get(r)).map_err(|e| e.to_string())?;
-        for ((&(format, rows, cols), parts), &(at, len)) in l.matrices().iter().zip(&split).zip(to) {
+        let matrices = l.stored.matrices(l.inter, l.hidden);
+        for ((&(format, (rows, cols)), parts), &(at, len)) in matrices.iter().zip(&split).zip(to) {
             let want = format.part_bytes(rows, cols);
             if parts.iter().map(|p| p.len()).ne(want.iter().copied()) {
                 return Err(format!("a {rows}×{cols} matrix's parts are not {want:?} bytes"));

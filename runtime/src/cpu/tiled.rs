@@ -44,7 +44,12 @@ pub fn tiled_len(rows: usize, cols: usize, group: usize, scale_type: FloatType) 
 
 /// Whether `q` can be tiled: 4-bit, groups of whole blocks, whole groups per row.
 pub fn can_tile(q: &QuantMatrix<'_>) -> bool {
-    q.bits == 4 && q.group.is_multiple_of(BLOCK) && q.group > 0 && q.cols.is_multiple_of(q.group)
+    tiles(q.bits, q.group, q.cols)
+}
+
+/// Whether a matrix of `cols` columns, `bits`-bit in groups of `group`, can be tiled.
+pub fn tiles(bits: u32, group: usize, cols: usize) -> bool {
+    bits == 4 && group.is_multiple_of(BLOCK) && group > 0 && cols.is_multiple_of(group)
 }
 
 /// `q` repacked into tiles, or `None` when [`can_tile`] says no.
