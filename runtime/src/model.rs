@@ -354,11 +354,13 @@ impl<B: Backend> Runner for Model<B> {
         let x = self.be.upload(x0, h)?;
         self.profile.add(Part::Head, embed_start.elapsed());
         let lens: Vec<usize> = seqs.iter().map(|s| s.len).collect();
-        let run = self.layers_forward(x, &spans, &ks, &mut seqs).and_then(|(x, lasts)| {
-            let head_start = Instant::now();
-            let logits = self.head(&x, &spans, &all)?;
-            self.profile.add(Part::Head, head_start.elapsed());
-            Ok((logits, lasts))
+        let run = self.be.step(|| {
+            self.layers_forward(x, &spans, &ks, &mut seqs).and_then(|(x, lasts)| {
+                let head_start = Instant::now();
+                let logits = self.head(&x, &spans, &all)?;
+                self.profile.add(Part::Head, head_start.elapsed());
+                Ok((logits, lasts))
+            })
         });
         match run {
             Ok((logits, lasts)) => {

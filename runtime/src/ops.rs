@@ -1,7 +1,5 @@
 //! Element-wise and attention ops of the `cpu` backend, on row-major f32 activations.
 
-use rayon::prelude::*;
-
 use crate::config::RopeScaling;
 use crate::cpu::Isa;
 use crate::error::{ModelError, Result};
@@ -115,10 +113,17 @@ impl Rope {
     /// Rotates each `head_dim`-wide head in `x` (`[heads, head_dim]` for one token) at position `pos`.
     pub fn apply(&self, x: &mut [f32], head_dim: usize, pos: usize) {
         let half = self.dims / 2;
-        for head in x.chunks_mut(head_dim) {
-            for (i, f) in self.inv_freq.iter().enumerate() {
+        // One angle table for every head at this position (computing it per head cost more than the rotation).
+        let angles: Vec<(f32, f32)> = self
+            .inv_freq
+            .iter()
+            .map(|f| {
                 let (s, c) = (pos as f64 * f).sin_cos();
-                let (s, c) = (s as f32, c as f32);
+                (s as f32, c as f32)
+            })
+            .collect();
+        for head in x.chunks_mut(head_dim) {
+            for (i, &(s, c)) in angles.iter().enumerate() {
                 let (a, b) = if self.traditional {
                     (2 * i, 2 * i + 1)
                 } else {
@@ -191,7 +196,7 @@ pub fn attention(isa: Isa, s: AttnShape, q: &[f32], n: usize, kc: &[f32], vc: &[
     if n * s.heads * total * hd < 1 << 16 {
         out.chunks_mut(group * hd).enumerate().for_each(work);
     } else {
-        out.par_chunks_mut(group * hd).enumerate().for_each(work);
+        crate::threads::parallel_each(out.chunks_mut(group * hd).enumerate().collect(), work);
     }
     out
 }

@@ -244,6 +244,10 @@ impl Backend for CpuBackend {
         Ok(tiled.unwrap_or_else(|| l.clone()))
     }
 
+    fn step<R>(&self, f: impl FnOnce() -> R) -> R {
+        crate::threads::with_workers_awake(f)
+    }
+
     fn vector(&self, v: &[f32]) -> Result<Vec<f32>> {
         Ok(v.to_vec())
     }
@@ -453,7 +457,7 @@ impl Backend for CpuBackend {
             }
         };
         Ok(if per_expert {
-            jobs.par_iter().map(run).collect()
+            crate::threads::parallel_map(&jobs, run)
         } else {
             jobs.iter().map(run).collect()
         })

@@ -191,6 +191,13 @@ pub trait Backend: Sized + Send + 'static {
         spans: &[SeqSpan],
         state: &mut [&mut Self::Recurrent],
     ) -> Result<Self::Tensor>;
+    /// Runs one forward pass `f` (the cpu backend keeps its compute threads awake for it).
+    fn step<R>(&self, f: impl FnOnce() -> R) -> R
+    where
+        Self: Sized,
+    {
+        f()
+    }
     /// A layer's output is complete (the mlx backend starts the device on it while the host moves on).
     fn layer_done(&self, _x: &Self::Tensor) -> Result<()> {
         Ok(())

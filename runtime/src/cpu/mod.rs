@@ -506,7 +506,7 @@ pub fn matmul_many(isa: Isa, mats: &[MatRef<'_>], x: &[f32], n: usize, ys: &mut 
         .collect();
     let run = |(i, first, chunk): (usize, usize, &mut [f32])| mats[i].run_rows(&ctxs[i], first, n, chunk);
     if parallel && tasks.len() > 1 {
-        tasks.into_par_iter().with_max_len(1).for_each(run);
+        crate::threads::parallel_each(tasks, run);
     } else {
         tasks.into_iter().for_each(run);
     }
