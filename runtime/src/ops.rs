@@ -180,10 +180,21 @@ pub fn attention(isa: Isa, s: AttnShape, q: &[f32], n: usize, kc: &[f32], vc: &[
         let visible = pos0 + t + 1;
         // scores[g·visible + j]: query head g of the group against position j.
         let mut scores = vec![0f32; group * visible];
-        for j in 0..visible {
-            let kj = &kc[j * kvw + kvh * hd..j * kvw + (kvh + 1) * hd];
+        let key = |j: usize| &kc[j * kvw + kvh * hd..j * kvw + (kvh + 1) * hd];
+        // Four positions at a time: one query against four keys overlaps four dot products' latencies.
+        let whole = visible - visible % 4;
+        for j in (0..whole).step_by(4) {
+            let ks = [key(j), key(j + 1), key(j + 2), key(j + 3)];
             for (g, qh) in qg.chunks_exact(hd).enumerate() {
-                scores[g * visible + j] = isa.dot(qh, kj) * scale;
+                let s = isa.dots4(qh, ks);
+                for (d, s) in s.iter().enumerate() {
+                    scores[g * visible + j + d] = s * scale;
+                }
+            }
+        }
+        for j in whole..visible {
+            for (g, qh) in qg.chunks_exact(hd).enumerate() {
+                scores[g * visible + j] = isa.dot(qh, key(j)) * scale;
             }
         }
         for row in scores.chunks_exact_mut(visible) {

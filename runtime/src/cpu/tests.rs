@@ -124,6 +124,17 @@ proptest! {
     }
 
     #[test]
+    fn four_dots_at_once_equal_four_dots_bit_for_bit(v in prop::collection::vec(-4f32..4.0, 0..700)) {
+        let d = v.len() / 5;
+        let a = &v[..d];
+        let bs = [1, 2, 3, 4].map(|k| &v[k * d..(k + 1) * d]);
+        for isa in Isa::available() {
+            let one = bs.map(|b| isa.dot(a, b).to_bits());
+            prop_assert_eq!(isa.dots4(a, bs).map(f32::to_bits), one, "{:?}, length {}", isa, d);
+        }
+    }
+
+    #[test]
     fn batched_rows_equal_single_token_calls_bit_for_bit((case, x, n) in case_strategy()) {
         let w = case.mat();
         let isa = Isa::detect();

@@ -72,6 +72,48 @@ unsafe fn dot_avx512_impl(a: &[f32], b: &[f32]) -> f32 {
     sum
 }
 
+/// Four [`dot_avx512`]s of `a` (against each of `bs`), interleaved so their FMA chains overlap; each result
+/// has the bits `dot_avx512` gives it.
+pub(super) fn dots4_avx512(a: &[f32], bs: [&[f32]; 4]) -> [f32; 4] {
+    assert!(bs.iter().all(|b| b.len() == a.len()), "dot operands differ in length");
+    // SAFETY: `Isa::Avx512` is only selected after `is_x86_feature_detected!("avx512f")` returned true; every
+    // slice has `a`'s length (asserted), and reads stay below it.
+    unsafe { dots4_avx512_impl(a, bs) }
+}
+
+#[target_feature(enable = "avx512f")]
+unsafe fn dots4_avx512_impl(a: &[f32], bs: [&[f32]; 4]) -> [f32; 4] {
+    let n = a.len();
+    let pa = a.as_ptr();
+    let pb = bs.map(|b| b.as_ptr());
+    let mut acc0 = [_mm512_setzero_ps(); 4];
+    let mut acc1 = [_mm512_setzero_ps(); 4];
+    let mut i = 0;
+    while i + 32 <= n {
+        let (x0, x1) = (_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pa.add(i + 16)));
+        for r in 0..4 {
+            acc0[r] = _mm512_fmadd_ps(x0, _mm512_loadu_ps(pb[r].add(i)), acc0[r]);
+            acc1[r] = _mm512_fmadd_ps(x1, _mm512_loadu_ps(pb[r].add(i + 16)), acc1[r]);
+        }
+        i += 32;
+    }
+    if i + 16 <= n {
+        let x0 = _mm512_loadu_ps(pa.add(i));
+        for r in 0..4 {
+            acc0[r] = _mm512_fmadd_ps(x0, _mm512_loadu_ps(pb[r].add(i)), acc0[r]);
+        }
+        i += 16;
+    }
+    let mut sums = [0f32; 4];
+    for r in 0..4 {
+        sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
+        for k in i..n {
+            sums[r] += a[k] * bs[r][k];
+        }
+    }
+    sums
+}
+
 /// Unpacks 2-, 4- or 8-bit codes eight at a time with variable shifts.
 pub(super) fn unpack_avx2(bits: u32, packed: &[u8], out: &mut [f32]) {
     let n = out.len();

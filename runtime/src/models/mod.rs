@@ -114,6 +114,7 @@ pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &Expe
         },
         prefetch_min_precision: (opts.prefetch == PrefetchMode::Auto).then_some(AUTO_MIN_PRECISION),
         prefetch_ahead: opts.prefetch_ahead,
+        awake_steps: memory_plan.placement == ExpertPlacement::Resident,
     };
     let runner: Box<dyn Runner> = match opts.backend {
         BackendKind::Cpu => Box::new(build_decoder(CpuBackend, parts)?),
@@ -319,6 +320,7 @@ struct Parts<'a> {
     prefetch: PrefetchMode,
     prefetch_ahead: usize,
     prefetch_min_precision: Option<f64>,
+    awake_steps: bool,
 }
 
 /// Assembles embedding, layers (attention at `model.layers.N.self_attn`, or for hybrids linear attention at
@@ -333,6 +335,7 @@ fn build_decoder<B: Backend>(be: B, p: Parts<'_>) -> Result<Model<B>> {
         prefetch,
         prefetch_ahead,
         prefetch_min_precision,
+        awake_steps,
     } = p;
     let Architecture { dims: d, ffn: plans } = arch;
     let offset = d.hybrid.as_ref().map_or(0.0, |h| h.norm_offset);
@@ -424,6 +427,7 @@ fn build_decoder<B: Backend>(be: B, p: Parts<'_>) -> Result<Model<B>> {
         prefetch,
         prefetch_ahead,
         prefetch_min_precision,
+        awake_steps,
         guesses: Default::default(),
         profile: Default::default(),
         be,
