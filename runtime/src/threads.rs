@@ -10,7 +10,7 @@
 //! is still running; waking either costs more than the stretch (on a microVM that halts an idle vCPU at once,
 //! ~200 sleeps and wakes per decode step cost ~15% of it). So a step runs inside [`with_workers_awake`]: the
 //! other workers poll instead of sleeping, and the step's parallel loops ([`parallel_each`], [`parallel_map`])
-//! hand them tasks through a [`Team`] while the calling thread spins, never sleeps, until its loop is done.
+//! hand them tasks through a team while the calling thread spins, never sleeps, until its loop is done.
 
 use std::any::Any;
 use std::cell::Cell;
@@ -95,7 +95,7 @@ impl Job<'_> {
 }
 
 /// The workers of one step: the posted loop, if any, and how many pollers may be looking at it.
-pub struct Team {
+struct Team {
     job: AtomicPtr<Job<'static>>,
     holders: AtomicUsize,
     done: AtomicBool,

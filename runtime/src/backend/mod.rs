@@ -192,10 +192,7 @@ pub trait Backend: Sized + Send + 'static {
         state: &mut [&mut Self::Recurrent],
     ) -> Result<Self::Tensor>;
     /// Runs one forward pass `f` (the cpu backend keeps its compute threads awake for it).
-    fn step<R>(&self, f: impl FnOnce() -> R) -> R
-    where
-        Self: Sized,
-    {
+    fn step<R>(&self, f: impl FnOnce() -> R) -> R {
         f()
     }
     /// A layer's output is complete (the mlx backend starts the device on it while the host moves on).
