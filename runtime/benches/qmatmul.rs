@@ -2,12 +2,13 @@
 //!
 //! `cargo bench -p sluice-runtime --bench qmatmul` (add `-- --quick` for a shorter run). Decode (one token) is
 //! bound by streaming weight bytes, so its figure is weight GB/s and the ratio to the DRAM probe; prefill
-//! reuses each unpacked row across tokens, so its figure is GFLOP/s.
+//! reuses each unpacked row across tokens, so its figure is GFLOP/s. With the int8 kernels on a CPU that has
+//! the tiled kernel (AVX-512 VNNI), a last row measures the same matrices repacked into tiles.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use sluice_runtime::cpu::{FloatType, Isa, MatRef, QuantMatrix};
+use sluice_runtime::cpu::{tiled, FloatType, Isa, MatRef, QuantMatrix, TiledMatrix};
 
 struct Expert {
     packed: Vec<u8>,
@@ -20,6 +21,9 @@ fn main() {
     // SLUICE_KERNELS=q8 measures the int8-activation kernels instead of the exact ones.
     let q8 = std::env::var("SLUICE_KERNELS").is_ok_and(|v| v == "q8");
     sluice_runtime::cpu::q8::set_q8_activations(q8);
+    // As `sluice` runs a model: this thread is worker 0 of the compute pool, and each measurement is one step
+    // with the workers awake (parallel loops go to the step's team).
+    let _pool = sluice_runtime::threads::join_compute_pool(None).expect("compute pool");
     let (rows, cols, bits, group) = (768usize, 2048usize, 4u32, 64usize); // a Qwen3-30B-A3B expert gate/up
                                                                           // 192 × 0.88 MB exceeds the private caches; SLUICE_BENCH_MATRICES=2 measures cache-resident compute.
     let count = std::env::var("SLUICE_BENCH_MATRICES")
@@ -59,14 +63,69 @@ fn main() {
         "matrix {rows}×{cols}, {bits}-bit g{group}, {:.2} MB each, {count} distinct (cache-cold cycle)",
         bytes_per as f64 / 1e6
     );
-    for isa in Isa::available() {
+    // The tiled copies, when this CPU runs the tiled kernel (the cpu backend's layout for 4-bit matrices).
+    let tiles: Vec<Vec<u8>> = match q8 && sluice_runtime::cpu::q8::tiled_kernel_on(Isa::detect()) {
+        true => experts
+            .iter()
+            .filter_map(|e| match mat(e) {
+                MatRef::Quant(q) => tiled::tile(&q),
+                _ => None,
+            })
+            .collect(),
+        false => Vec::new(),
+    };
+    let mut rows_to_run: Vec<(String, Isa, Vec<MatRef<'_>>)> = Isa::available()
+        .into_iter()
+        .map(|isa| (format!("{isa:?}"), isa, experts.iter().map(mat).collect()))
+        .collect();
+    if !tiles.is_empty() {
+        rows_to_run.push((
+            "tiled".into(),
+            Isa::detect(),
+            tiles.iter().map(|t| tiled_view(t, group, rows, cols)).collect(),
+        ));
+    }
+    let run = Run {
+        rows,
+        cols,
+        count,
+        bytes_per,
+        quick,
+        dram,
+    };
+    for (name, isa, mats) in &rows_to_run {
+        sluice_runtime::threads::with_workers_awake(|| run.measure(name, *isa, mats));
+    }
+}
+
+/// What every row shares: the matrices' shape and count, and the DRAM probe.
+struct Run {
+    rows: usize,
+    cols: usize,
+    count: usize,
+    bytes_per: usize,
+    quick: bool,
+    dram: f64,
+}
+
+impl Run {
+    /// One row: decode weight GB/s over `mats` (cycled), prefill GFLOP/s over the first 32.
+    fn measure(&self, name: &str, isa: Isa, mats: &[MatRef<'_>]) {
+        let Run {
+            rows,
+            cols,
+            count,
+            bytes_per,
+            quick,
+            dram,
+        } = *self;
         let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.01).sin()).collect();
         let mut y = vec![0f32; rows];
         let passes = (if quick { 128 } else { 960 }) / count.max(1);
         let t = Instant::now();
         for _ in 0..passes {
-            for e in &experts {
-                mat(e).matmul(isa, &x, 1, &mut y);
+            for m in mats {
+                m.matmul(isa, &x, 1, &mut y);
                 black_box(&y);
             }
         }
@@ -76,14 +135,25 @@ fn main() {
         let xs: Vec<f32> = (0..n * cols).map(|i| (i as f32 * 0.01).sin()).collect();
         let mut ys = vec![0f32; n * rows];
         let t = Instant::now();
-        for e in experts.iter().take(32.min(count)) {
-            mat(e).matmul(isa, &xs, n, &mut ys);
+        for m in mats.iter().take(32.min(count)) {
+            m.matmul(isa, &xs, n, &mut ys);
             black_box(&ys);
         }
         let gflops = (32.min(count) * 2 * n * rows * cols) as f64 / t.elapsed().as_secs_f64() / 1e9;
         println!(
-            "{isa:?}: decode {gbps:.2} GB/s of weights = {:.1}% of DRAM | prefill (32 tokens) {gflops:.1} GFLOP/s",
+            "{name}: decode {gbps:.2} GB/s of weights = {:.1}% of DRAM | prefill (32 tokens) {gflops:.1} GFLOP/s",
             100.0 * gbps / dram
         );
     }
+}
+
+/// A tiled matrix as the kernels take it.
+fn tiled_view(data: &[u8], group: usize, rows: usize, cols: usize) -> MatRef<'_> {
+    MatRef::Tiled(TiledMatrix {
+        data,
+        scale_type: FloatType::BF16,
+        group,
+        rows,
+        cols,
+    })
 }

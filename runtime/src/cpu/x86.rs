@@ -952,7 +952,7 @@ pub(super) fn q4_tiled_rows(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) 
     use super::FloatType as F;
     // SAFETY: AVX-512 F/BW/VL/VNNI detected above; the asserts bound every read (tiles of `rows`, `tokens`
     // rows of activations, block scales and group sums) and every write (row < rows, token < tokens at
-    // row·ostride + token). Prefetches past the end never fault.
+    // row·ostride + token).
     unsafe {
         match (a.ty, a.tokens) {
             (F::F32, 4) => q4_tiled::<TY_F32, 4>(a, out, ostride),
@@ -991,13 +991,9 @@ unsafe fn q4_tiled<const TY: u8, const T: usize>(a: &TiledArgs<'_>, out: &mut [f
         let mut acc = [_mm512_setzero_ps(); T];
         let mut bacc = [_mm512_setzero_ps(); T];
         for g in 0..groups {
+            // No software prefetch: a tile is one linear stream, which the hardware prefetchers follow
+            // best alone (from DRAM, prefetching 4 KiB ahead cut one thread from ~22 to ~16 GB/s).
             let gp = base.add(g * gb);
-            // The tile is one linear stream: keep the lines a few KiB ahead of this group in flight.
-            let mut off = 0;
-            while off < gb {
-                _mm_prefetch::<_MM_HINT_T0>(gp.wrapping_add(PREFETCH_AHEAD + off) as *const i8);
-                off += 64;
-            }
             let s = load_scales::<TY>(gp, TILE_ROWS);
             let b = load_scales::<TY>(gp.add(TILE_ROWS * size), TILE_ROWS);
             for (t, ba) in bacc.iter_mut().enumerate() {
