@@ -111,17 +111,10 @@ struct Run {
 impl Run {
     /// One row: decode weight GB/s over `mats` (cycled), prefill GFLOP/s over the first 32.
     fn measure(&self, name: &str, isa: Isa, mats: &[MatRef<'_>]) {
-        let Run {
-            rows,
-            cols,
-            count,
-            bytes_per,
-            quick,
-            dram,
-        } = *self;
+        let (rows, cols, count) = (self.rows, self.cols, self.count);
         let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.01).sin()).collect();
         let mut y = vec![0f32; rows];
-        let passes = (if quick { 128 } else { 960 }) / count.max(1);
+        let passes = (if self.quick { 128 } else { 960 }) / count.max(1);
         let t = Instant::now();
         for _ in 0..passes {
             for m in mats {
@@ -130,7 +123,7 @@ impl Run {
             }
         }
         let secs = t.elapsed().as_secs_f64();
-        let gbps = (passes * count * bytes_per) as f64 / secs / 1e9;
+        let gbps = (passes * count * self.bytes_per) as f64 / secs / 1e9;
         let n = 32;
         let xs: Vec<f32> = (0..n * cols).map(|i| (i as f32 * 0.01).sin()).collect();
         let mut ys = vec![0f32; n * rows];
@@ -142,7 +135,7 @@ impl Run {
         let gflops = (32.min(count) * 2 * n * rows * cols) as f64 / t.elapsed().as_secs_f64() / 1e9;
         println!(
             "{name}: decode {gbps:.2} GB/s of weights = {:.1}% of DRAM | prefill (32 tokens) {gflops:.1} GFLOP/s",
-            100.0 * gbps / dram
+            100.0 * gbps / self.dram
         );
     }
 }
