@@ -84,7 +84,12 @@ struct Queue {
     demand: VecDeque<Job>,
     prefetch: VecDeque<Job>,
     in_flight: usize,
-    active_since: Option<Instant>,
+    /// Reads under way: popped jobs whose `pread` has started and not yet ended.
+    reading: usize,
+    /// The start of the first read and the end of the latest one since `reading` last left 0. The active
+    /// window opens at a read's start, not at a job's pop: a worker held off the core between the two is
+    /// not the disk being busy.
+    window: Option<(Instant, Instant)>,
     shutdown: bool,
     /// The layer fetched last: prefetches are read in order of their layer's distance after it, and
     /// eviction spares the layers that come right after it.
@@ -457,9 +462,6 @@ impl Inner {
                         return;
                     }
                     if let Some(j) = q.pop() {
-                        if q.in_flight == 0 {
-                            q.active_since = Some(Instant::now());
-                        }
                         q.in_flight += 1;
                         break j;
                     }
@@ -467,17 +469,30 @@ impl Inner {
                 }
             };
             let Job { key, mut buf, prefetch } = job;
-            let started = Instant::now();
+            let started = {
+                let mut q = lock(&self.queue);
+                let now = Instant::now();
+                if q.reading == 0 {
+                    q.window = Some((now, now));
+                }
+                q.reading += 1;
+                now
+            };
             let result = self.load(key, &mut buf, &mut scratch);
             let took = started.elapsed();
             {
                 let mut q = lock(&self.queue);
+                // Ended when the read ended, not when this lock was taken: a busy machine can keep a
+                // worker waiting for the lock far longer than the read took.
+                let ended = started + took;
+                if let Some((_, last)) = &mut q.window {
+                    *last = (*last).max(ended);
+                }
                 q.in_flight -= 1;
-                if q.in_flight == 0 {
-                    if let Some(t) = q.active_since.take() {
-                        // Active until the read ended, not until this lock was taken: a busy machine can keep
-                        // a worker waiting for the lock far longer than the read took.
-                        let active = (started + took).saturating_duration_since(t);
+                q.reading -= 1;
+                if q.reading == 0 {
+                    if let Some((first, last)) = q.window.take() {
+                        let active = last.saturating_duration_since(first);
                         self.counters
                             .read_active_ns
                             .fetch_add(active.as_nanos() as u64, Relaxed);

@@ -150,10 +150,10 @@ fn counters_account_for_every_read() {
     assert_eq!(snap.demand_bytes, snap.misses * record, "{snap:?}");
     assert_eq!(snap.reads, snap.misses);
     assert_eq!(snap.read_latency.count(), snap.reads);
-    // At most the two I/O threads' worth of reads in flight. No lower bound beyond "some": the active window
-    // opens when a worker takes a job, and a busy machine can hold it off the core before its read starts.
+    // At most the two I/O threads' worth of reads in flight, and at least half of one: the active window runs
+    // from a read's start to the latest end, so a worker held off the core after taking a job does not count.
     assert!(
-        snap.effective_queue_depth() > 0.0 && snap.effective_queue_depth() <= 2.01,
+        snap.effective_queue_depth() > 0.5 && snap.effective_queue_depth() <= 2.01,
         "{snap:?}"
     );
 
