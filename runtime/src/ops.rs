@@ -23,17 +23,9 @@ pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     }
 }
 
-/// Softmax in place (max-subtracted, f32).
+/// Softmax in place (max-subtracted, f32): [`Isa::softmax`], the same bits on every instruction set.
 pub fn softmax(x: &mut [f32]) {
-    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut s = 0.0;
-    for v in x.iter_mut() {
-        *v = (*v - m).exp();
-        s += *v;
-    }
-    for v in x.iter_mut() {
-        *v /= s;
-    }
+    Isa::detect().softmax(x);
 }
 
 /// Indices of the `k` largest values, largest first (ties: lower index first).
@@ -198,11 +190,10 @@ pub fn attention(isa: Isa, s: AttnShape, q: &[f32], n: usize, kc: &[f32], vc: &[
             }
         }
         for row in scores.chunks_exact_mut(visible) {
-            softmax(row);
+            isa.softmax(row);
         }
-        for (og, p) in o.chunks_exact_mut(hd).zip(scores.chunks_exact(visible)) {
-            isa.weighted_rows(og, p, &vc[kvh * hd..], kvw);
-        }
+        // All the group's heads in one pass over the values: each value row is read once per eight heads.
+        isa.weighted_rows_grouped(o, hd, &scores, &vc[kvh * hd..], kvw);
     };
     if n * s.heads * total * hd < 1 << 16 {
         out.chunks_mut(group * hd).enumerate().for_each(work);

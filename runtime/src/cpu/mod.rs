@@ -237,6 +237,53 @@ impl Isa {
         }
     }
 
+    /// [`Isa::weighted_rows`] for several outputs over the same value rows (the query heads of one
+    /// key/value head): `out` holds `out.len() / d` rows of `d`, and row `g` takes the weights
+    /// `w[g·visible..(g+1)·visible]` (`visible = w.len()` over the row count). The same bits as one call per
+    /// row, with each value row loaded once for several of them.
+    #[inline]
+    pub fn weighted_rows_grouped(self, out: &mut [f32], d: usize, w: &[f32], v: &[f32], stride: usize) {
+        let heads = out.len().checked_div(d).unwrap_or(0);
+        if heads == 0 {
+            return;
+        }
+        assert!(
+            out.len() == heads * d && w.len().is_multiple_of(heads),
+            "weighted_rows_grouped: {} outputs of {d}, {} weights",
+            out.len(),
+            w.len()
+        );
+        let Some(last) = (w.len() / heads).checked_sub(1) else {
+            return;
+        };
+        assert!(
+            last * stride + d <= v.len(),
+            "weighted_rows_grouped: {} rows of {d} at stride {stride} overrun {} values",
+            last + 1,
+            v.len()
+        );
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => x86::weighted_rows_grouped_avx2(out, d, w, v, stride),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => x86::weighted_rows_grouped_avx512(out, d, w, v, stride),
+            _ => scalar::weighted_rows_grouped(out, d, w, v, stride),
+        }
+    }
+
+    /// Softmax of `x` in place, the same bits on every instruction set: one `exp` polynomial (about 1 ulp),
+    /// the sum in 16 lanes added in a fixed order, then a division.
+    #[inline]
+    pub fn softmax(self, x: &mut [f32]) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => x86::softmax_avx2(x),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => x86::softmax_avx512(x),
+            _ => scalar::softmax(x),
+        }
+    }
+
     /// Unpacks `out.len()` codes of `bits` bits from the start of a packed row into f32 values.
     #[inline]
     pub fn unpack(self, bits: u32, packed: &[u8], out: &mut [f32]) {

@@ -135,6 +135,64 @@ proptest! {
     }
 
     #[test]
+    fn grouped_weighted_rows_equal_one_call_per_row_bit_for_bit(
+        heads in 1usize..20,
+        d in prop::sample::select(vec![1usize, 8, 16, 40, 64, 128, 136]),
+        visible in 0usize..40,
+        pad in 0usize..20,
+        seed in 0u32..1000,
+    ) {
+        let stride = d + pad;
+        let val = |i: usize| (((i as u32).wrapping_mul(2_654_435_761) ^ seed) % 2001) as f32 / 1000.0 - 1.0;
+        let v: Vec<f32> = (0..visible * stride + d).map(val).collect();
+        let w: Vec<f32> = (0..heads * visible).map(|i| val(i + 7)).collect();
+        let start: Vec<f32> = (0..heads * d).map(|i| val(i + 13)).collect();
+        for isa in Isa::available() {
+            let mut want = start.clone();
+            if visible > 0 {
+                for (o, w) in want.chunks_exact_mut(d).zip(w.chunks_exact(visible)) {
+                    isa.weighted_rows(o, w, &v, stride);
+                }
+            }
+            let mut got = start.clone();
+            isa.weighted_rows_grouped(&mut got, d, &w, &v, stride);
+            prop_assert_eq!(
+                got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "{:?}", isa
+            );
+        }
+    }
+
+    #[test]
+    fn softmax_is_the_same_bits_on_every_isa(v in prop::collection::vec(-120f32..30.0, 0..300)) {
+        let mut want = v.clone();
+        scalar::softmax(&mut want);
+        for isa in Isa::available() {
+            let mut got = v.clone();
+            isa.softmax(&mut got);
+            prop_assert_eq!(
+                got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "{:?}, length {}", isa, v.len()
+            );
+        }
+    }
+
+    #[test]
+    fn softmax_matches_f64(v in prop::collection::vec(-30f32..30.0, 1..300)) {
+        let mut got = v.clone();
+        Isa::detect().softmax(&mut got);
+        let m = v.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let e: Vec<f64> = v.iter().map(|&x| (x as f64 - m).exp()).collect();
+        let s: f64 = e.iter().sum();
+        for (g, e) in got.iter().zip(&e) {
+            let want = e / s;
+            prop_assert!((*g as f64 - want).abs() <= 2e-6 * want + 1e-12, "{} vs {}", g, want);
+        }
+    }
+
+    #[test]
     fn batched_rows_equal_single_token_calls_bit_for_bit((case, x, n) in case_strategy()) {
         let w = case.mat();
         let isa = Isa::detect();
@@ -331,5 +389,50 @@ mod q8_kernels {
         let d = q8::quantize_block(&x, &mut q);
         assert_eq!(q[3], -127);
         assert!((d * 127.0 - 100.0).abs() < 1e-4);
+    }
+}
+
+#[test]
+fn exp_is_within_one_ulp_of_f64_over_its_range() {
+    // Every 97th float bit pattern from EXP_LO to EXP_HI, both signs: about 300k values.
+    let mut worst = 0f64;
+    let mut check = |x: f32| {
+        let want = (x as f64).exp();
+        let got = scalar::exp(x) as f64;
+        // One ulp of the f32 nearest the true value (normal range).
+        let ulp = f32::EPSILON as f64 * 2f64.powi((want.log2().floor()) as i32);
+        worst = worst.max((got - want).abs() / ulp);
+    };
+    for bits in (0..scalar::EXP_HI.to_bits()).step_by(97) {
+        check(f32::from_bits(bits));
+    }
+    for bits in (0x8000_0000..(-80f32).to_bits()).step_by(97) {
+        check(f32::from_bits(bits));
+    }
+    assert!(worst <= 1.0, "worst error {worst} ulp");
+}
+
+#[test]
+fn exp_edges() {
+    assert_eq!(scalar::exp(0.0), 1.0);
+    assert_eq!(scalar::exp(-100.0), 0.0);
+    assert_eq!(scalar::exp(f32::NEG_INFINITY), 0.0);
+    assert!(scalar::exp(f32::NAN).is_nan());
+    assert!(scalar::exp(1000.0).is_finite() && scalar::exp(1000.0) > 1e38);
+    for isa in Isa::available() {
+        let mut x = vec![0.0, -200.0, 1.0, f32::NEG_INFINITY, 1.0];
+        x.extend([-1e30; 20]);
+        isa.softmax(&mut x);
+        let e = 1.0 / (2.0 + 1.0 / std::f32::consts::E);
+        assert!(
+            (x[2] - e).abs() < 1e-7 && x[2] == x[4] && x[1] == 0.0 && x[3] == 0.0,
+            "{isa:?}: {x:?}"
+        );
+        let mut x = vec![1.0; 37];
+        x[30] = f32::NAN;
+        isa.softmax(&mut x);
+        assert!(x.iter().all(|v| v.is_nan()), "{isa:?}: NaN must not be hidden");
+        let mut empty: Vec<f32> = vec![];
+        isa.softmax(&mut empty);
     }
 }

@@ -1068,3 +1068,288 @@ pub(super) fn tile_block(src: &[u8; 256], dst: &mut [u8; 256]) {
         }
     }
 }
+
+/// [`super::scalar::softmax`] with 16-wide registers: the same exp polynomial, lane sums and division, so
+/// the same bits.
+pub(super) fn softmax_avx512(x: &mut [f32]) {
+    // SAFETY: `Isa::Avx512` is only selected after `is_x86_feature_detected!("avx512f")` (and avx2/fma)
+    // returned true; every load and store below is within `i + 16 <= x.len()`.
+    unsafe { softmax_avx512_impl(x) }
+}
+
+#[target_feature(enable = "avx512f")]
+unsafe fn softmax_avx512_impl(x: &mut [f32]) {
+    use super::scalar::{self, SUM_LANES};
+    let (n, p) = (x.len(), x.as_mut_ptr());
+    let whole = n - n % 16;
+    let mut mx = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut i = 0;
+    while i < whole {
+        mx = _mm512_max_ps(mx, _mm512_loadu_ps(p.add(i)));
+        i += 16;
+    }
+    let m = x[whole..].iter().copied().fold(_mm512_reduce_max_ps(mx), f32::max);
+    let vm = _mm512_set1_ps(m);
+    let mut acc = _mm512_setzero_ps();
+    i = 0;
+    while i < whole {
+        let e = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(p.add(i)), vm));
+        _mm512_storeu_ps(p.add(i), e);
+        acc = _mm512_add_ps(acc, e);
+        i += 16;
+    }
+    let mut lanes = [0f32; SUM_LANES];
+    _mm512_storeu_ps(lanes.as_mut_ptr(), acc);
+    for (j, v) in x[whole..].iter_mut().enumerate() {
+        *v = scalar::exp(*v - m);
+        lanes[j] += *v;
+    }
+    let sum = scalar::reduce_lanes(lanes);
+    let s = _mm512_set1_ps(sum);
+    i = 0;
+    while i < whole {
+        _mm512_storeu_ps(p.add(i), _mm512_div_ps(_mm512_loadu_ps(p.add(i)), s));
+        i += 16;
+    }
+    scalar::divide_all(&mut x[whole..], sum);
+}
+
+/// [`super::scalar::exp`] of sixteen lanes, operation for operation.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_avx512(v: __m512) -> __m512 {
+    use super::scalar::{EXP_HI, EXP_LO, EXP_TAYLOR, LN2_HI, LN2_LO, LOG2_E};
+    let under = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(v, _mm512_set1_ps(EXP_LO));
+    // min(hi, v) in this order: NaN takes the second operand, so NaN stays NaN.
+    let v = _mm512_min_ps(_mm512_set1_ps(EXP_HI), v);
+    let k = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+        v,
+        _mm512_set1_ps(LOG2_E),
+    ));
+    let r = _mm512_fmadd_ps(k, _mm512_set1_ps(-LN2_HI), v);
+    let r = _mm512_fmadd_ps(k, _mm512_set1_ps(-LN2_LO), r);
+    let mut q = _mm512_set1_ps(EXP_TAYLOR[0]);
+    for c in &EXP_TAYLOR[1..] {
+        q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(*c));
+    }
+    let one = _mm512_set1_ps(1.0);
+    let q = _mm512_fmadd_ps(_mm512_fmadd_ps(q, r, one), r, one);
+    let two_k = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
+        _mm512_cvtps_epi32(k),
+        _mm512_set1_epi32(127),
+    )));
+    _mm512_maskz_mov_ps(!under, _mm512_mul_ps(q, two_k))
+}
+
+/// [`softmax_avx512`] with 8-wide registers: two of them hold the 16 lane sums.
+pub(super) fn softmax_avx2(x: &mut [f32]) {
+    // SAFETY: `Isa::Avx2`/`Isa::Avx512` are only selected after `is_x86_feature_detected!("avx2")` and
+    // `("fma")` returned true; every load and store below is within `i + 16 <= x.len()`.
+    unsafe { softmax_avx2_impl(x) }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn softmax_avx2_impl(x: &mut [f32]) {
+    use super::scalar::{self, SUM_LANES};
+    let (n, p) = (x.len(), x.as_mut_ptr());
+    let whole = n - n % 16;
+    let mut mx = _mm256_set1_ps(f32::NEG_INFINITY);
+    let mut i = 0;
+    while i < whole {
+        mx = _mm256_max_ps(
+            mx,
+            _mm256_max_ps(_mm256_loadu_ps(p.add(i)), _mm256_loadu_ps(p.add(i + 8))),
+        );
+        i += 16;
+    }
+    let mut lanes = [0f32; SUM_LANES];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), mx);
+    let m = lanes[..8]
+        .iter()
+        .chain(&x[whole..])
+        .copied()
+        .fold(f32::NEG_INFINITY, f32::max);
+    let vm = _mm256_set1_ps(m);
+    let mut acc = [_mm256_setzero_ps(); 2];
+    i = 0;
+    while i < whole {
+        for (h, acc) in acc.iter_mut().enumerate() {
+            let e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(p.add(i + 8 * h)), vm));
+            _mm256_storeu_ps(p.add(i + 8 * h), e);
+            *acc = _mm256_add_ps(*acc, e);
+        }
+        i += 16;
+    }
+    _mm256_storeu_ps(lanes.as_mut_ptr(), acc[0]);
+    _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc[1]);
+    for (j, v) in x[whole..].iter_mut().enumerate() {
+        *v = scalar::exp(*v - m);
+        lanes[j] += *v;
+    }
+    let sum = scalar::reduce_lanes(lanes);
+    let s = _mm256_set1_ps(sum);
+    i = 0;
+    while i < whole {
+        _mm256_storeu_ps(p.add(i), _mm256_div_ps(_mm256_loadu_ps(p.add(i)), s));
+        i += 8;
+    }
+    scalar::divide_all(&mut x[whole..], sum);
+}
+
+/// [`super::scalar::exp`] of eight lanes, operation for operation.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp_avx2(v: __m256) -> __m256 {
+    use super::scalar::{EXP_HI, EXP_LO, EXP_TAYLOR, LN2_HI, LN2_LO, LOG2_E};
+    let under = _mm256_cmp_ps::<_CMP_LT_OQ>(v, _mm256_set1_ps(EXP_LO));
+    // min(hi, v) in this order: NaN takes the second operand, so NaN stays NaN.
+    let v = _mm256_min_ps(_mm256_set1_ps(EXP_HI), v);
+    let k =
+        _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(v, _mm256_set1_ps(LOG2_E)));
+    let r = _mm256_fmadd_ps(k, _mm256_set1_ps(-LN2_HI), v);
+    let r = _mm256_fmadd_ps(k, _mm256_set1_ps(-LN2_LO), r);
+    let mut q = _mm256_set1_ps(EXP_TAYLOR[0]);
+    for c in &EXP_TAYLOR[1..] {
+        q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(*c));
+    }
+    let one = _mm256_set1_ps(1.0);
+    let q = _mm256_fmadd_ps(_mm256_fmadd_ps(q, r, one), r, one);
+    let two_k = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvtps_epi32(k),
+        _mm256_set1_epi32(127),
+    )));
+    _mm256_andnot_ps(under, _mm256_mul_ps(q, two_k))
+}
+
+/// [`super::scalar::weighted_rows`] for the query heads of one key/value head at once: output `g` (the `g`-th
+/// `d`-wide row of `out`) takes the weights `w[g·visible..][..visible]`. Each value row is loaded once for
+/// eight heads instead of once per head; each output element's terms are still added in `j` order, multiply
+/// then add: the same bits as one call per head.
+pub(super) fn weighted_rows_grouped_avx512(out: &mut [f32], d: usize, w: &[f32], v: &[f32], stride: usize) {
+    let (heads, visible) = (out.len() / d, w.len() / (out.len() / d));
+    let mut g = 0;
+    while g + 8 <= heads {
+        // SAFETY: `Isa::Avx512` is only selected after `is_x86_feature_detected!("avx512f")` returned true;
+        // the caller checked that every row `j < visible` has `d` values at `j·stride` in `v`, and `out`, `w`
+        // hold `heads` rows of `d` and `visible`.
+        unsafe {
+            weighted_rows_8_avx512(
+                &mut out[g * d..(g + 8) * d],
+                d,
+                &w[g * visible..(g + 8) * visible],
+                v,
+                stride,
+            )
+        };
+        g += 8;
+    }
+    for g in g..heads {
+        weighted_rows_avx512(
+            &mut out[g * d..(g + 1) * d],
+            &w[g * visible..(g + 1) * visible],
+            v,
+            stride,
+        );
+    }
+}
+
+#[target_feature(enable = "avx512f")]
+unsafe fn weighted_rows_8_avx512(out: &mut [f32], d: usize, w: &[f32], v: &[f32], stride: usize) {
+    let visible = w.len() / 8;
+    let (po, pw, pv) = (out.as_mut_ptr(), w.as_ptr(), v.as_ptr());
+    let mut c = 0;
+    while c + 32 <= d {
+        let mut a = [[_mm512_setzero_ps(); 2]; 8];
+        for (g, a) in a.iter_mut().enumerate() {
+            for (i, a) in a.iter_mut().enumerate() {
+                *a = _mm512_loadu_ps(po.add(g * d + c + 16 * i));
+            }
+        }
+        for j in 0..visible {
+            let row = pv.add(j * stride + c);
+            let x = [_mm512_loadu_ps(row), _mm512_loadu_ps(row.add(16))];
+            for (g, a) in a.iter_mut().enumerate() {
+                let p = _mm512_set1_ps(*pw.add(g * visible + j));
+                for (a, x) in a.iter_mut().zip(x) {
+                    *a = _mm512_add_ps(*a, _mm512_mul_ps(p, x));
+                }
+            }
+        }
+        for (g, a) in a.iter().enumerate() {
+            for (i, a) in a.iter().enumerate() {
+                _mm512_storeu_ps(po.add(g * d + c + 16 * i), *a);
+            }
+        }
+        c += 32;
+    }
+    if c < d {
+        for (g, o) in out.chunks_exact_mut(d).enumerate() {
+            weighted_rows_avx512(&mut o[c..], &w[g * visible..(g + 1) * visible], &v[c..], stride);
+        }
+    }
+}
+
+/// [`weighted_rows_grouped_avx512`] with 8-wide registers.
+pub(super) fn weighted_rows_grouped_avx2(out: &mut [f32], d: usize, w: &[f32], v: &[f32], stride: usize) {
+    let (heads, visible) = (out.len() / d, w.len() / (out.len() / d));
+    let mut g = 0;
+    while g + 8 <= heads {
+        // SAFETY: `Isa::Avx2`/`Isa::Avx512` are only selected after `is_x86_feature_detected!("avx2")`
+        // returned true; the caller checked that every row `j < visible` has `d` values at `j·stride` in `v`,
+        // and `out`, `w` hold `heads` rows of `d` and `visible`.
+        unsafe {
+            weighted_rows_8_avx2(
+                &mut out[g * d..(g + 8) * d],
+                d,
+                &w[g * visible..(g + 8) * visible],
+                v,
+                stride,
+            )
+        };
+        g += 8;
+    }
+    for g in g..heads {
+        weighted_rows_avx2(
+            &mut out[g * d..(g + 1) * d],
+            &w[g * visible..(g + 1) * visible],
+            v,
+            stride,
+        );
+    }
+}
+
+#[target_feature(enable = "avx2")]
+unsafe fn weighted_rows_8_avx2(out: &mut [f32], d: usize, w: &[f32], v: &[f32], stride: usize) {
+    let visible = w.len() / 8;
+    let (po, pw, pv) = (out.as_mut_ptr(), w.as_ptr(), v.as_ptr());
+    let mut c = 0;
+    while c + 16 <= d {
+        let mut a = [[_mm256_setzero_ps(); 2]; 8];
+        for (g, a) in a.iter_mut().enumerate() {
+            for (i, a) in a.iter_mut().enumerate() {
+                *a = _mm256_loadu_ps(po.add(g * d + c + 8 * i));
+            }
+        }
+        for j in 0..visible {
+            let row = pv.add(j * stride + c);
+            let x = [_mm256_loadu_ps(row), _mm256_loadu_ps(row.add(8))];
+            for (g, a) in a.iter_mut().enumerate() {
+                let p = _mm256_set1_ps(*pw.add(g * visible + j));
+                for (a, x) in a.iter_mut().zip(x) {
+                    *a = _mm256_add_ps(*a, _mm256_mul_ps(p, x));
+                }
+            }
+        }
+        for (g, a) in a.iter().enumerate() {
+            for (i, a) in a.iter().enumerate() {
+                _mm256_storeu_ps(po.add(g * d + c + 8 * i), *a);
+            }
+        }
+        c += 16;
+    }
+    if c < d {
+        for (g, o) in out.chunks_exact_mut(d).enumerate() {
+            weighted_rows_avx2(&mut o[c..], &w[g * visible..(g + 1) * visible], &v[c..], stride);
+        }
+    }
+}
