@@ -152,16 +152,25 @@ impl AttnShape {
     }
 }
 
-/// Causal GQA for the last `n` positions of a sequence whose keys and values (`[positions, kv_heads·head_dim]`,
-/// those `n` included) are `kc`, `vc`; `q` is `[n, heads·head_dim]`. Returns `[n, heads·head_dim]`.
+/// Causal GQA for the last `n` positions of a sequence whose keys and values are `kc`, `vc`: one
+/// `[positions, head_dim]` array per key/value head, those `n` positions included; `q` is `[n, heads·head_dim]`.
+/// Returns `[n, heads·head_dim]`.
+///
+/// Each head's cache is contiguous because a task reads one head: in a `[positions, kv_heads·head_dim]` layout
+/// its rows are 512 of every 2,048 bytes, and the hardware prefetchers fetch the rest too, so a decode step
+/// read its caches from DRAM at a quarter of the probe.
 ///
 /// One task per (position, key/value head): the query heads sharing that head read each key and value row
 /// once, not once each (a group of 8 read the cache 8 times before, which made depth cost up to half the
 /// step). Each head's numbers are computed as if alone (same dot, softmax, accumulation order), so results
 /// do not depend on the grouping, batch or threads.
-pub fn attention(isa: Isa, s: AttnShape, q: &[f32], n: usize, kc: &[f32], vc: &[f32]) -> Vec<f32> {
-    let (hd, kvw) = (s.head_dim, s.kv_heads * s.head_dim);
-    let total = kc.len() / kvw;
+pub fn attention<C: AsRef<[f32]> + Sync>(isa: Isa, s: AttnShape, q: &[f32], n: usize, kc: &[C], vc: &[C]) -> Vec<f32> {
+    let hd = s.head_dim;
+    assert!(
+        kc.len() == s.kv_heads && vc.len() == s.kv_heads,
+        "attention: one key and value cache per head"
+    );
+    let total = kc.first().map_or(0, |k| k.as_ref().len() / hd);
     let pos0 = total - n;
     let scale = 1.0 / (hd as f32).sqrt();
     let group = s.heads / s.kv_heads;
@@ -172,7 +181,8 @@ pub fn attention(isa: Isa, s: AttnShape, q: &[f32], n: usize, kc: &[f32], vc: &[
         let visible = pos0 + t + 1;
         // scores[g·visible + j]: query head g of the group against position j.
         let mut scores = vec![0f32; group * visible];
-        let key = |j: usize| &kc[j * kvw + kvh * hd..j * kvw + (kvh + 1) * hd];
+        let (kh, vh) = (kc[kvh].as_ref(), vc[kvh].as_ref());
+        let key = |j: usize| &kh[j * hd..(j + 1) * hd];
         // Four positions at a time: one query against four keys overlaps four dot products' latencies.
         let whole = visible - visible % 4;
         for j in (0..whole).step_by(4) {
@@ -193,7 +203,7 @@ pub fn attention(isa: Isa, s: AttnShape, q: &[f32], n: usize, kc: &[f32], vc: &[
             isa.softmax(row);
         }
         // All the group's heads in one pass over the values: each value row is read once per eight heads.
-        isa.weighted_rows_grouped(o, hd, &scores, &vc[kvh * hd..], kvw);
+        isa.weighted_rows_grouped(o, hd, &scores, vh, hd);
     };
     if n * s.heads * total * hd < 1 << 16 {
         out.chunks_mut(group * hd).enumerate().for_each(work);
@@ -233,11 +243,23 @@ mod tests {
             kv_heads: 1,
             head_dim: 2,
         };
-        let o = attention(Isa::Scalar, s, &[1.0, 2.0, 3.0, 4.0], 1, &[0.5, 0.5], &[7.0, 9.0]);
+        let o = attention(Isa::Scalar, s, &[1.0, 2.0, 3.0, 4.0], 1, &[[0.5, 0.5]], &[[7.0, 9.0]]);
         assert_eq!(o, vec![7.0, 9.0, 7.0, 9.0]);
     }
 
-    /// One query head at a time, each reading the whole cache: the grouped kernel's oracle.
+    /// `[positions, kv_heads·hd]` split into one `[positions, hd]` array per head.
+    fn by_head(c: &[f32], kv_heads: usize, hd: usize) -> Vec<Vec<f32>> {
+        (0..kv_heads)
+            .map(|h| {
+                c.chunks_exact(kv_heads * hd)
+                    .flat_map(|row| &row[h * hd..(h + 1) * hd])
+                    .copied()
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// One query head at a time, each reading the whole cache in `[positions, kv_heads·hd]` order: the oracle.
     fn attention_per_head(isa: Isa, s: AttnShape, q: &[f32], n: usize, kc: &[f32], vc: &[f32]) -> Vec<f32> {
         let (hd, kvw) = (s.head_dim, s.kv_heads * s.head_dim);
         let pos0 = kc.len() / kvw - n;
@@ -279,7 +301,7 @@ mod tests {
             let (q, kc, vc) = (r(n * heads * hd), r(total * kv_heads * hd), r(total * kv_heads * hd));
             for isa in Isa::available() {
                 let want = attention_per_head(isa, s, &q, n, &kc, &vc);
-                let got = attention(isa, s, &q, n, &kc, &vc);
+                let got = attention(isa, s, &q, n, &by_head(&kc, kv_heads, hd), &by_head(&vc, kv_heads, hd));
                 assert!(
                     want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()),
                     "{isa:?} heads {heads}/{kv_heads}, n {n}, past {past}"

@@ -40,21 +40,41 @@ impl CpuTensor {
     }
 }
 
-/// Keys and values `[positions, kv_heads · head_dim]`.
+/// Keys and values, one `[positions, head_dim]` array per key/value head (a head's attention task then reads
+/// one contiguous stream).
 #[derive(Debug, Clone)]
 pub struct CpuKv {
-    pub(crate) k: Vec<f32>,
-    pub(crate) v: Vec<f32>,
-    width: usize,
+    pub(crate) k: Vec<Vec<f32>>,
+    pub(crate) v: Vec<Vec<f32>>,
+    head_dim: usize,
+}
+
+impl CpuKv {
+    /// Appends rows `[positions, kv_heads·head_dim]` of keys and values.
+    fn append(&mut self, ks: &[f32], vs: &[f32]) {
+        let hd = self.head_dim;
+        for (cache, rows) in [(&mut self.k, ks), (&mut self.v, vs)] {
+            let width = cache.len() * hd;
+            if width == 0 {
+                continue;
+            }
+            for row in rows.chunks_exact(width) {
+                for (h, head) in cache.iter_mut().enumerate() {
+                    head.extend_from_slice(&row[h * hd..(h + 1) * hd]);
+                }
+            }
+        }
+    }
 }
 
 impl KvState for CpuKv {
     fn len(&self) -> usize {
-        self.k.len() / self.width.max(1)
+        self.k.first().map_or(0, |k| k.len() / self.head_dim.max(1))
     }
     fn truncate(&mut self, len: usize) {
-        self.k.truncate(len * self.width);
-        self.v.truncate(len * self.width);
+        for h in self.k.iter_mut().chain(self.v.iter_mut()) {
+            h.truncate(len * self.head_dim);
+        }
     }
 }
 
@@ -262,9 +282,9 @@ impl Backend for CpuBackend {
 
     fn new_kv(&self, shape: AttnShape) -> CpuKv {
         CpuKv {
-            k: Vec::new(),
-            v: Vec::new(),
-            width: shape.kv_heads * shape.head_dim,
+            k: vec![Vec::new(); shape.kv_heads],
+            v: vec![Vec::new(); shape.kv_heads],
+            head_dim: shape.head_dim,
         }
     }
 
@@ -397,8 +417,7 @@ impl Backend for CpuBackend {
                 &k.data[r.start * k.cols..r.end * k.cols],
                 &v.data[r.start * v.cols..r.end * v.cols],
             );
-            cache.k.extend_from_slice(ks);
-            cache.v.extend_from_slice(vs);
+            cache.append(ks, vs);
             out.extend(ops::attention(isa, shape, qs, s.len(), &cache.k, &cache.v));
         }
         Ok(CpuTensor {

@@ -1253,34 +1253,43 @@ pub(super) fn weighted_rows_grouped_avx512(out: &mut [f32], d: usize, w: &[f32],
     }
 }
 
+/// Value rows per block in the grouped weighted sums: 64 rows of 128 dims are 32 KiB.
+const V_BLOCK_ROWS: usize = 64;
+
 #[target_feature(enable = "avx512f")]
 unsafe fn weighted_rows_8_avx512(out: &mut [f32], d: usize, w: &[f32], v: &[f32], stride: usize) {
     let visible = w.len() / 8;
     let (po, pw, pv) = (out.as_mut_ptr(), w.as_ptr(), v.as_ptr());
     let mut c = 0;
-    while c + 32 <= d {
-        let mut a = [[_mm512_setzero_ps(); 2]; 8];
-        for (g, a) in a.iter_mut().enumerate() {
-            for (i, a) in a.iter_mut().enumerate() {
-                *a = _mm512_loadu_ps(po.add(g * d + c + 16 * i));
-            }
-        }
-        for j in 0..visible {
-            let row = pv.add(j * stride + c);
-            let x = [_mm512_loadu_ps(row), _mm512_loadu_ps(row.add(16))];
+    // A block of value rows at a time, all its column chunks before the next block: the block stays in L2
+    // while it is read once per chunk (each output still sums its rows in order, so the bits do not change).
+    for j0 in (0..visible).step_by(V_BLOCK_ROWS) {
+        let j1 = (j0 + V_BLOCK_ROWS).min(visible);
+        c = 0;
+        while c + 32 <= d {
+            let mut a = [[_mm512_setzero_ps(); 2]; 8];
             for (g, a) in a.iter_mut().enumerate() {
-                let p = _mm512_set1_ps(*pw.add(g * visible + j));
-                for (a, x) in a.iter_mut().zip(x) {
-                    *a = _mm512_add_ps(*a, _mm512_mul_ps(p, x));
+                for (i, a) in a.iter_mut().enumerate() {
+                    *a = _mm512_loadu_ps(po.add(g * d + c + 16 * i));
                 }
             }
-        }
-        for (g, a) in a.iter().enumerate() {
-            for (i, a) in a.iter().enumerate() {
-                _mm512_storeu_ps(po.add(g * d + c + 16 * i), *a);
+            for j in j0..j1 {
+                let row = pv.add(j * stride + c);
+                let x = [_mm512_loadu_ps(row), _mm512_loadu_ps(row.add(16))];
+                for (g, a) in a.iter_mut().enumerate() {
+                    let p = _mm512_set1_ps(*pw.add(g * visible + j));
+                    for (a, x) in a.iter_mut().zip(x) {
+                        *a = _mm512_add_ps(*a, _mm512_mul_ps(p, x));
+                    }
+                }
             }
+            for (g, a) in a.iter().enumerate() {
+                for (i, a) in a.iter().enumerate() {
+                    _mm512_storeu_ps(po.add(g * d + c + 16 * i), *a);
+                }
+            }
+            c += 32;
         }
-        c += 32;
     }
     if c < d {
         for (g, o) in out.chunks_exact_mut(d).enumerate() {
@@ -1323,29 +1332,35 @@ unsafe fn weighted_rows_8_avx2(out: &mut [f32], d: usize, w: &[f32], v: &[f32], 
     let visible = w.len() / 8;
     let (po, pw, pv) = (out.as_mut_ptr(), w.as_ptr(), v.as_ptr());
     let mut c = 0;
-    while c + 16 <= d {
-        let mut a = [[_mm256_setzero_ps(); 2]; 8];
-        for (g, a) in a.iter_mut().enumerate() {
-            for (i, a) in a.iter_mut().enumerate() {
-                *a = _mm256_loadu_ps(po.add(g * d + c + 8 * i));
-            }
-        }
-        for j in 0..visible {
-            let row = pv.add(j * stride + c);
-            let x = [_mm256_loadu_ps(row), _mm256_loadu_ps(row.add(8))];
+    // A block of value rows at a time, all its column chunks before the next block: the block stays in L2
+    // while it is read once per chunk (each output still sums its rows in order, so the bits do not change).
+    for j0 in (0..visible).step_by(V_BLOCK_ROWS) {
+        let j1 = (j0 + V_BLOCK_ROWS).min(visible);
+        c = 0;
+        while c + 16 <= d {
+            let mut a = [[_mm256_setzero_ps(); 2]; 8];
             for (g, a) in a.iter_mut().enumerate() {
-                let p = _mm256_set1_ps(*pw.add(g * visible + j));
-                for (a, x) in a.iter_mut().zip(x) {
-                    *a = _mm256_add_ps(*a, _mm256_mul_ps(p, x));
+                for (i, a) in a.iter_mut().enumerate() {
+                    *a = _mm256_loadu_ps(po.add(g * d + c + 8 * i));
                 }
             }
-        }
-        for (g, a) in a.iter().enumerate() {
-            for (i, a) in a.iter().enumerate() {
-                _mm256_storeu_ps(po.add(g * d + c + 8 * i), *a);
+            for j in j0..j1 {
+                let row = pv.add(j * stride + c);
+                let x = [_mm256_loadu_ps(row), _mm256_loadu_ps(row.add(8))];
+                for (g, a) in a.iter_mut().enumerate() {
+                    let p = _mm256_set1_ps(*pw.add(g * visible + j));
+                    for (a, x) in a.iter_mut().zip(x) {
+                        *a = _mm256_add_ps(*a, _mm256_mul_ps(p, x));
+                    }
+                }
             }
+            for (g, a) in a.iter().enumerate() {
+                for (i, a) in a.iter().enumerate() {
+                    _mm256_storeu_ps(po.add(g * d + c + 8 * i), *a);
+                }
+            }
+            c += 16;
         }
-        c += 16;
     }
     if c < d {
         for (g, o) in out.chunks_exact_mut(d).enumerate() {
