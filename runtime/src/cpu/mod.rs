@@ -146,6 +146,9 @@ pub enum Isa {
     Neon,
 }
 
+/// A kernel that sums value rows for eight outputs at once: `(out, d, w, v, stride)`.
+type WeightedRows8 = fn(&mut [f32], usize, &[f32], &[f32], usize);
+
 impl Isa {
     /// The best instruction set this CPU supports (overridable with `SLUICE_ISA=scalar|avx2|avx512|neon`).
     pub fn detect() -> Isa {
@@ -262,12 +265,27 @@ impl Isa {
             last + 1,
             v.len()
         );
-        match self {
+        let visible = last + 1;
+        // Eight heads per pass where a kernel holds them in registers; the rest one at a time.
+        let eight: Option<WeightedRows8> = match self {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => x86::weighted_rows_grouped_avx2(out, d, w, v, stride),
+            Isa::Avx2 => Some(x86::weighted_rows_8_avx2),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => x86::weighted_rows_grouped_avx512(out, d, w, v, stride),
-            _ => scalar::weighted_rows_grouped(out, d, w, v, stride),
+            Isa::Avx512 => Some(x86::weighted_rows_8_avx512),
+            _ => None,
+        };
+        let mut done = 0;
+        if let Some(kernel) = eight {
+            for (o, w) in out.chunks_exact_mut(8 * d).zip(w.chunks_exact(8 * visible)) {
+                kernel(o, d, w, v, stride);
+            }
+            done = heads - heads % 8;
+        }
+        for (o, w) in out[done * d..]
+            .chunks_exact_mut(d)
+            .zip(w[done * visible..].chunks_exact(visible))
+        {
+            self.weighted_rows(o, w, v, stride);
         }
     }
 

@@ -30,14 +30,6 @@ pub(super) fn weighted_rows(out: &mut [f32], w: &[f32], v: &[f32], stride: usize
     }
 }
 
-/// [`weighted_rows`] of each `d`-wide row `g` of `out` with the weights `w[g·visible..][..visible]`.
-pub(super) fn weighted_rows_grouped(out: &mut [f32], d: usize, w: &[f32], v: &[f32], stride: usize) {
-    let visible = w.len() / (out.len() / d);
-    for (o, w) in out.chunks_exact_mut(d).zip(w.chunks_exact(visible)) {
-        weighted_rows(o, w, v, stride);
-    }
-}
-
 /// Below this, `exp` returns 0 (the true value is under 1.2e-38; above it, `2^n` stays a normal float).
 pub(super) const EXP_LO: f32 = -87.33;
 /// Above this, `exp` saturates at `exp(EXP_HI)` (≈ 2.6e38, the largest `n` whose `2^n` is finite).

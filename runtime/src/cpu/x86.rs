@@ -1221,52 +1221,31 @@ unsafe fn exp_avx2(v: __m256) -> __m256 {
     _mm256_andnot_ps(under, _mm256_mul_ps(q, two_k))
 }
 
-/// [`super::scalar::weighted_rows`] for the query heads of one key/value head at once: output `g` (the `g`-th
-/// `d`-wide row of `out`) takes the weights `w[g·visible..][..visible]`. Each value row is loaded once for
-/// eight heads instead of once per head; each output element's terms are still added in `j` order, multiply
-/// then add: the same bits as one call per head.
-pub(super) fn weighted_rows_grouped_avx512(out: &mut [f32], d: usize, w: &[f32], v: &[f32], stride: usize) {
-    let (heads, visible) = (out.len() / d, w.len() / (out.len() / d));
-    let mut g = 0;
-    while g + 8 <= heads {
-        // SAFETY: `Isa::Avx512` is only selected after `is_x86_feature_detected!("avx512f")` returned true;
-        // the caller checked that every row `j < visible` has `d` values at `j·stride` in `v`, and `out`, `w`
-        // hold `heads` rows of `d` and `visible`.
-        unsafe {
-            weighted_rows_8_avx512(
-                &mut out[g * d..(g + 8) * d],
-                d,
-                &w[g * visible..(g + 8) * visible],
-                v,
-                stride,
-            )
-        };
-        g += 8;
-    }
-    for g in g..heads {
-        weighted_rows_avx512(
-            &mut out[g * d..(g + 1) * d],
-            &w[g * visible..(g + 1) * visible],
-            v,
-            stride,
-        );
-    }
-}
-
 /// Value rows per block in the grouped weighted sums: 64 rows of 128 dims are 32 KiB.
 const V_BLOCK_ROWS: usize = 64;
 
+/// [`super::scalar::weighted_rows`] for eight query heads of one key/value head at once: output `g` (the
+/// `g`-th `d`-wide row of `out`) takes the weights `w[g·visible..][..visible]`. Each value row is loaded once
+/// for the eight; each output element's terms are still added in `j` order, multiply then add: the same bits
+/// as one call per head.
+pub(super) fn weighted_rows_8_avx512(out: &mut [f32], d: usize, w: &[f32], v: &[f32], stride: usize) {
+    // SAFETY: `Isa::Avx512` is only selected after `is_x86_feature_detected!("avx512f")` returned true;
+    // `Isa::weighted_rows_grouped` checked that every row `j < visible` has `d` values at `j·stride` in `v`,
+    // and passes `out`, `w` holding 8 rows of `d` and `visible`.
+    unsafe { weighted_rows_8_avx512_impl(out, d, w, v, stride) }
+}
+
 #[target_feature(enable = "avx512f")]
-unsafe fn weighted_rows_8_avx512(out: &mut [f32], d: usize, w: &[f32], v: &[f32], stride: usize) {
+unsafe fn weighted_rows_8_avx512_impl(out: &mut [f32], d: usize, w: &[f32], v: &[f32], stride: usize) {
     let visible = w.len() / 8;
     let (po, pw, pv) = (out.as_mut_ptr(), w.as_ptr(), v.as_ptr());
-    let mut c = 0;
+    // Column chunks of two registers; the last `d − chunked` columns go one head at a time.
+    let chunked = d - d % 32;
     // A block of value rows at a time, all its column chunks before the next block: the block stays in L2
     // while it is read once per chunk (each output still sums its rows in order, so the bits do not change).
     for j0 in (0..visible).step_by(V_BLOCK_ROWS) {
         let j1 = (j0 + V_BLOCK_ROWS).min(visible);
-        c = 0;
-        while c + 32 <= d {
+        for c in (0..chunked).step_by(32) {
             let mut a = [[_mm512_setzero_ps(); 2]; 8];
             for (g, a) in a.iter_mut().enumerate() {
                 for (i, a) in a.iter_mut().enumerate() {
@@ -1288,56 +1267,39 @@ unsafe fn weighted_rows_8_avx512(out: &mut [f32], d: usize, w: &[f32], v: &[f32]
                     _mm512_storeu_ps(po.add(g * d + c + 16 * i), *a);
                 }
             }
-            c += 32;
         }
     }
-    if c < d {
+    if chunked < d {
         for (g, o) in out.chunks_exact_mut(d).enumerate() {
-            weighted_rows_avx512(&mut o[c..], &w[g * visible..(g + 1) * visible], &v[c..], stride);
+            weighted_rows_avx512(
+                &mut o[chunked..],
+                &w[g * visible..(g + 1) * visible],
+                &v[chunked..],
+                stride,
+            );
         }
     }
 }
 
-/// [`weighted_rows_grouped_avx512`] with 8-wide registers.
-pub(super) fn weighted_rows_grouped_avx2(out: &mut [f32], d: usize, w: &[f32], v: &[f32], stride: usize) {
-    let (heads, visible) = (out.len() / d, w.len() / (out.len() / d));
-    let mut g = 0;
-    while g + 8 <= heads {
-        // SAFETY: `Isa::Avx2`/`Isa::Avx512` are only selected after `is_x86_feature_detected!("avx2")`
-        // returned true; the caller checked that every row `j < visible` has `d` values at `j·stride` in `v`,
-        // and `out`, `w` hold `heads` rows of `d` and `visible`.
-        unsafe {
-            weighted_rows_8_avx2(
-                &mut out[g * d..(g + 8) * d],
-                d,
-                &w[g * visible..(g + 8) * visible],
-                v,
-                stride,
-            )
-        };
-        g += 8;
-    }
-    for g in g..heads {
-        weighted_rows_avx2(
-            &mut out[g * d..(g + 1) * d],
-            &w[g * visible..(g + 1) * visible],
-            v,
-            stride,
-        );
-    }
+/// [`weighted_rows_8_avx512`] with 8-wide registers.
+pub(super) fn weighted_rows_8_avx2(out: &mut [f32], d: usize, w: &[f32], v: &[f32], stride: usize) {
+    // SAFETY: `Isa::Avx2`/`Isa::Avx512` are only selected after `is_x86_feature_detected!("avx2")` returned
+    // true; `Isa::weighted_rows_grouped` checked that every row `j < visible` has `d` values at `j·stride` in
+    // `v`, and passes `out`, `w` holding 8 rows of `d` and `visible`.
+    unsafe { weighted_rows_8_avx2_impl(out, d, w, v, stride) }
 }
 
 #[target_feature(enable = "avx2")]
-unsafe fn weighted_rows_8_avx2(out: &mut [f32], d: usize, w: &[f32], v: &[f32], stride: usize) {
+unsafe fn weighted_rows_8_avx2_impl(out: &mut [f32], d: usize, w: &[f32], v: &[f32], stride: usize) {
     let visible = w.len() / 8;
     let (po, pw, pv) = (out.as_mut_ptr(), w.as_ptr(), v.as_ptr());
-    let mut c = 0;
+    // Column chunks of two registers; the last `d − chunked` columns go one head at a time.
+    let chunked = d - d % 16;
     // A block of value rows at a time, all its column chunks before the next block: the block stays in L2
     // while it is read once per chunk (each output still sums its rows in order, so the bits do not change).
     for j0 in (0..visible).step_by(V_BLOCK_ROWS) {
         let j1 = (j0 + V_BLOCK_ROWS).min(visible);
-        c = 0;
-        while c + 16 <= d {
+        for c in (0..chunked).step_by(16) {
             let mut a = [[_mm256_setzero_ps(); 2]; 8];
             for (g, a) in a.iter_mut().enumerate() {
                 for (i, a) in a.iter_mut().enumerate() {
@@ -1359,12 +1321,16 @@ unsafe fn weighted_rows_8_avx2(out: &mut [f32], d: usize, w: &[f32], v: &[f32], 
                     _mm256_storeu_ps(po.add(g * d + c + 8 * i), *a);
                 }
             }
-            c += 16;
         }
     }
-    if c < d {
+    if chunked < d {
         for (g, o) in out.chunks_exact_mut(d).enumerate() {
-            weighted_rows_avx2(&mut o[c..], &w[g * visible..(g + 1) * visible], &v[c..], stride);
+            weighted_rows_avx2(
+                &mut o[chunked..],
+                &w[g * visible..(g + 1) * visible],
+                &v[chunked..],
+                stride,
+            );
         }
     }
 }
