@@ -213,9 +213,24 @@ impl MachineProbes {
         self.disk_gbps_by_depth.last().map_or(0.0, |&(_, b)| b)
     }
 
-    /// Disk bandwidth with `depth` reads in flight, GB/s: linear between the probed depths, clamped to them.
+    /// The probed curve, held to what a disk can do, from the engine's depth down: fewer reads in flight never
+    /// get more bandwidth than more do, nor less per read. A short probe's noise breaks either (seen in CI:
+    /// depth 4 more than twice depth 2), and then three misses forecast faster than two and a cold start
+    /// faster than a warm one. The deepest probe, the one the engine runs at, is kept as measured.
+    fn disk_curve(&self) -> Vec<(usize, f64)> {
+        let mut curve = self.disk_gbps_by_depth.clone();
+        for i in (1..curve.len()).rev() {
+            let ((lo, b), (hi, above)) = (curve[i - 1], curve[i]);
+            let floor = above * lo as f64 / hi.max(1) as f64;
+            curve[i - 1].1 = b.min(above).max(floor);
+        }
+        curve
+    }
+
+    /// Disk bandwidth with `depth` reads in flight, GB/s: linear between the probed depths (held to what a
+    /// disk can do), clamped to them.
     pub fn disk_gbps_at(&self, depth: f64) -> f64 {
-        let d = &self.disk_gbps_by_depth;
+        let d = &self.disk_curve();
         let Some(&(d0, b0)) = d.first() else {
             return 0.0;
         };
@@ -519,5 +534,59 @@ mod tests {
             assert!((p.disk_gbps_at(d) - want).abs() < 1e-12, "{d}: {}", p.disk_gbps_at(d));
         }
         assert_eq!(p.disk_gbps(), 4.0);
+        // Noise that breaks either bound is held to it, from the deepest probe down.
+        let noisy = MachineProbes {
+            disk_gbps_by_depth: vec![(1, 0.1), (2, 2.5), (4, 1.0), (8, 4.0)],
+            ..p
+        };
+        for (d, want) in [(1.0, 1.0), (2.0, 2.0), (3.0, 2.0), (4.0, 2.0), (8.0, 4.0)] {
+            assert!(
+                (noisy.disk_gbps_at(d) - want).abs() < 1e-12,
+                "{d}: {}",
+                noisy.disk_gbps_at(d)
+            );
+        }
+    }
+
+    #[test]
+    fn a_cold_start_is_never_forecast_faster_than_a_warm_one() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/qwen3_moe-q4g64");
+        let s = size_from_config(&ModelConfig::load(&root).unwrap(), None).unwrap();
+        let machine = MachineMemory {
+            total: 16 << 30,
+            available: 8 << 30,
+            gpu_working_set: None,
+            measured: true,
+        };
+        // As `doctor`'s streamed case: four records of cache, three experts per token.
+        let opts = ExpertOptions {
+            mode: crate::options::ExpertMode::Stream,
+            cache_bytes: Some(s.record_bytes * 4),
+            ..ExpertOptions::default()
+        };
+        let plan = MemoryPlan::new(machine, s.footprint, &PlanRequest::from_options(&opts));
+        // Short probes on a page-cached file: per-read rates that rise with depth, by noise.
+        for curve in [
+            vec![(1, 1.0), (2, 1.0), (4, 4.0), (8, 8.0)],
+            vec![(1, 2.0), (2, 1.0), (4, 6.0), (8, 5.0)],
+            vec![(1, 0.5), (2, 1.0), (4, 2.0), (8, 4.0)],
+        ] {
+            let probes = MachineProbes {
+                disk_gbps_by_depth: curve.clone(),
+                dram_gbps: 20.0,
+                matvec_gbps: 10.0,
+                call_seconds: 1e-6,
+            };
+            for k in 1..=8 {
+                let warm = forecast(&s, &plan, &probes, 8, k, false, 0);
+                let cold = forecast(&s, &plan, &probes, 8, k, true, 0);
+                assert!(
+                    cold.tok_s <= warm.tok_s,
+                    "{curve:?} k={k}: {} > {}",
+                    cold.tok_s,
+                    warm.tok_s
+                );
+            }
+        }
     }
 }
