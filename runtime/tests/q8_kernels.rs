@@ -93,6 +93,9 @@ fn tiled_matmul_matches_the_int8_oracle() {
         (128, 33, 256, 4),
         (64, 300, 512, 9),
         (64, 1, 64, 6),
+        // One token reads four tiles side by side, then the rest two and one: 11 tiles, the last one short.
+        (64, 173, 128, 1),
+        (32, 128, 64, 2),
     ] {
         let gpr = cols / group;
         let codes: Vec<u32> = (0..rows * cols).map(|_| rng.gen_range(0..16)).collect();

@@ -925,6 +925,9 @@ pub(super) struct TiledArgs<'a> {
     pub xsum: &'a [f32],
 }
 
+/// Tiles one token's pass reads side by side.
+const TILES_PER_PASS: usize = 4;
+
 /// `out[r·ostride + t]` for each row `r < a.rows` and token `t < a.tokens`, on tiled codes: per tile, group and
 /// 32-column block, each lane of `vpdpbusd` sums one row's block (eight dot products of 4 bytes), then one
 /// multiply-add per 16 rows applies group scale × block scale; `Σ bias·Σx` is added at the end. Up to four
@@ -955,9 +958,9 @@ pub(super) fn q4_tiled_rows(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) 
     // row·ostride + token).
     unsafe {
         match (a.ty, a.tokens) {
-            (F::F32, 4) => q4_tiled::<TY_F32, 4>(a, out, ostride),
-            (F::F16, 4) => q4_tiled::<TY_F16, 4>(a, out, ostride),
-            (F::BF16, 4) => q4_tiled::<TY_BF16, 4>(a, out, ostride),
+            (F::F32, 4) => q4_tiled::<TY_F32, 4, 1>(a, out, ostride),
+            (F::F16, 4) => q4_tiled::<TY_F16, 4, 1>(a, out, ostride),
+            (F::BF16, 4) => q4_tiled::<TY_BF16, 4, 1>(a, out, ostride),
             (ty, t) => {
                 for t in 0..t {
                     let one = TiledArgs {
@@ -968,9 +971,9 @@ pub(super) fn q4_tiled_rows(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) 
                         ..*a
                     };
                     match ty {
-                        F::F32 => q4_tiled::<TY_F32, 1>(&one, &mut out[t..], ostride),
-                        F::F16 => q4_tiled::<TY_F16, 1>(&one, &mut out[t..], ostride),
-                        F::BF16 => q4_tiled::<TY_BF16, 1>(&one, &mut out[t..], ostride),
+                        F::F32 => q4_tiled::<TY_F32, 1, TILES_PER_PASS>(&one, &mut out[t..], ostride),
+                        F::F16 => q4_tiled::<TY_F16, 1, TILES_PER_PASS>(&one, &mut out[t..], ostride),
+                        F::BF16 => q4_tiled::<TY_BF16, 1, TILES_PER_PASS>(&one, &mut out[t..], ostride),
                     }
                 }
             }
@@ -979,29 +982,58 @@ pub(super) fn q4_tiled_rows(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) 
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn q4_tiled<const TY: u8, const T: usize>(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) {
+unsafe fn q4_tiled<const TY: u8, const T: usize, const P: usize>(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) {
+    let tiles = a.rows.div_ceil(super::tiled::TILE_ROWS);
+    let mut tile = 0;
+    while tile + P <= tiles {
+        q4_tiles::<TY, T, P>(a, out, ostride, tile);
+        tile += P;
+    }
+    // The rest two, then one at a time (P = 4 leaves up to three).
+    if P > 2 && tile + 2 <= tiles {
+        q4_tiles::<TY, T, 2>(a, out, ostride, tile);
+        tile += 2;
+    }
+    while tile < tiles {
+        q4_tiles::<TY, T, 1>(a, out, ostride, tile);
+        tile += 1;
+    }
+}
+
+/// Tiles `first..first + P`, side by side: each is one linear stream, and one stream per core leaves DRAM
+/// half used (the prefetchers run ahead of one stream only so far); P streams keep more lines in flight.
+/// Each tile's sums run in the same order whatever P is, so the bits do not depend on it.
+#[inline(always)]
+unsafe fn q4_tiles<const TY: u8, const T: usize, const P: usize>(
+    a: &TiledArgs<'_>,
+    out: &mut [f32],
+    ostride: usize,
+    first: usize,
+) {
     use super::tiled::{group_bytes, TILE_ROWS};
     let size = a.ty.size();
     let (groups, blocks, per_group) = (a.cols / a.group, a.cols / 32, a.group / 32);
     let gb = group_bytes(a.group, a.ty);
     let m = _mm512_set1_epi8(0x0f);
     let (xq, bd, xs) = (a.xq.as_ptr(), a.block_d.as_ptr(), a.xsum.as_ptr());
-    for tile in 0..a.rows.div_ceil(TILE_ROWS) {
-        let base = a.data.as_ptr().add(tile * groups * gb);
-        let mut acc = [_mm512_setzero_ps(); T];
-        let mut bacc = [_mm512_setzero_ps(); T];
-        for g in 0..groups {
-            // No software prefetch: a tile is one linear stream, which the hardware prefetchers follow
-            // best alone (from DRAM, prefetching 4 KiB ahead cut one thread from ~22 to ~16 GB/s).
-            let gp = base.add(g * gb);
-            let s = load_scales::<TY>(gp, TILE_ROWS);
+    let bases: [*const u8; P] = std::array::from_fn(|p| a.data.as_ptr().add((first + p) * groups * gb));
+    let mut acc = [[_mm512_setzero_ps(); T]; P];
+    let mut bacc = [[_mm512_setzero_ps(); T]; P];
+    for g in 0..groups {
+        // No software prefetch: a tile is one linear stream, which the hardware prefetchers follow
+        // best alone (from DRAM, prefetching 4 KiB ahead cut one thread from ~22 to ~16 GB/s).
+        for p in 0..P {
+            let gp = bases[p].add(g * gb);
             let b = load_scales::<TY>(gp.add(TILE_ROWS * size), TILE_ROWS);
-            for (t, ba) in bacc.iter_mut().enumerate() {
+            for (t, ba) in bacc[p].iter_mut().enumerate() {
                 *ba = _mm512_fmadd_ps(b, _mm512_set1_ps(*xs.add(t * groups + g)), *ba);
             }
-            let codes = gp.add(2 * TILE_ROWS * size);
-            for kb in 0..per_group {
-                let blk = g * per_group + kb;
+        }
+        for kb in 0..per_group {
+            let blk = g * per_group + kb;
+            for p in 0..P {
+                let gp = bases[p].add(g * gb);
+                let codes = gp.add(2 * TILE_ROWS * size);
                 // Two chains per token (low and high nibbles), so consecutive `vpdpbusd`s do not wait on each
                 // other; integer sums, so the order does not change the result.
                 let mut il = [_mm512_setzero_si512(); T];
@@ -1019,15 +1051,19 @@ unsafe fn q4_tiled<const TY: u8, const T: usize>(a: &TiledArgs<'_>, out: &mut [f
                         ih[t] = _mm512_dpbusd_epi32(ih[t], hi, xh);
                     }
                 }
+                let s = load_scales::<TY>(gp, TILE_ROWS);
                 let i: [__m512i; T] = std::array::from_fn(|t| _mm512_add_epi32(il[t], _mm512_srai_epi32::<4>(ih[t])));
-                for (t, (ac, it)) in acc.iter_mut().zip(i).enumerate() {
+                for (t, (ac, it)) in acc[p].iter_mut().zip(i).enumerate() {
                     let f = _mm512_mul_ps(s, _mm512_set1_ps(*bd.add(t * blocks + blk)));
                     *ac = _mm512_fmadd_ps(_mm512_cvtepi32_ps(it), f, *ac);
                 }
             }
         }
+    }
+    for p in 0..P {
+        let tile = first + p;
         let rows = (a.rows - tile * TILE_ROWS).min(TILE_ROWS);
-        for (t, (ac, ba)) in acc.iter().zip(&bacc).enumerate() {
+        for (t, (ac, ba)) in acc[p].iter().zip(&bacc[p]).enumerate() {
             let mut lanes = [0f32; TILE_ROWS];
             _mm512_storeu_ps(lanes.as_mut_ptr(), _mm512_add_ps(*ac, *ba));
             for (l, v) in lanes.iter().take(rows).enumerate() {
