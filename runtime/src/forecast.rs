@@ -343,14 +343,15 @@ pub fn check_top_k(s: &ModelSize, k: usize) -> Result<()> {
 }
 
 /// Times sluice's matvec kernel (one token, rows split across the thread pool, as a decode step runs it) on
-/// matrices stored like the model's (`spec`, else bf16), `cols` wide: returns (GB/s of weights over 256 MiB
-/// of distinct matrices, so from DRAM; seconds per call on a tiny matrix, the fixed cost of a call).
+/// matrices stored like the model's (`spec`, else bf16; tiled where the cpu backend tiles them), `cols` wide:
+/// returns (GB/s of weights over 256 MiB of distinct matrices, so from DRAM; seconds per call on a tiny
+/// matrix, the fixed cost of a call).
 pub fn matvec_probe(spec: Option<QuantSpec>, cols: usize, time: std::time::Duration) -> (f64, f64) {
     use crate::cpu::{FloatType, Isa};
     use crate::linear::WeightFormat;
     use std::time::Instant;
 
-    let format = match spec {
+    let stored = match spec {
         // The cpu kernels implement affine codes; other modes are probed as affine of the same width.
         Some(s) => WeightFormat::Affine {
             bits: s.bits,
@@ -359,7 +360,7 @@ pub fn matvec_probe(spec: Option<QuantSpec>, cols: usize, time: std::time::Durat
         },
         None => WeightFormat::Dense(FloatType::BF16),
     };
-    let group = match format {
+    let group = match stored {
         WeightFormat::Affine { group, .. } | WeightFormat::Tiled { group, .. } => group,
         WeightFormat::Dense(_) => 1,
     };
@@ -377,14 +378,30 @@ pub fn matvec_probe(spec: Option<QuantSpec>, cols: usize, time: std::time::Durat
             })
             .collect()
     };
+    // The cpu backend repacks 4-bit matrices into tiles where its tiled kernel runs: probe that kernel there.
+    let tiled = match stored {
+        WeightFormat::Affine { bits, scale_type, .. }
+            if crate::cpu::tiled::tiles(bits, group, cols) && crate::cpu::q8::tiled_kernel_on(isa) =>
+        {
+            Some(WeightFormat::Tiled { group, scale_type })
+        }
+        _ => None,
+    };
     let matrix = |rows: usize| -> Vec<Vec<u8>> {
-        format
+        let parts: Vec<Vec<u8>> = stored
             .part_bytes(rows, cols)
             .iter()
             .enumerate()
-            .map(|(i, &n)| fill(n, i > 0 || matches!(format, WeightFormat::Dense(_))))
-            .collect()
+            .map(|(i, &n)| fill(n, i > 0 || matches!(stored, WeightFormat::Dense(_))))
+            .collect();
+        let tiles = tiled.and_then(|_| match stored.view(rows, cols, &[&parts[0], &parts[1], &parts[2]]) {
+            crate::cpu::MatRef::Quant(q) => crate::cpu::tiled::tile(&q),
+            _ => None,
+        });
+        tiles.map_or(parts, |t| vec![t])
     };
+    // What the step runs.
+    let format = tiled.unwrap_or(stored);
     let run = |mats: &[Vec<Vec<u8>>], rows: usize, until: Instant| -> (f64, usize) {
         let x: Vec<f32> = (0..cols).map(|i| (i % 7) as f32 * 0.1).collect();
         let mut y = vec![0f32; rows];

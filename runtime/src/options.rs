@@ -64,7 +64,7 @@ pub const DEFAULT_PREFETCH_AHEAD: usize = 2;
 pub struct ExpertOptions {
     /// Resident or streamed.
     pub mode: ExpertMode,
-    /// Slot cache budget in bytes when streaming (`None`: the [`MemoryPlan`]'s default).
+    /// Slot cache budget in bytes when streaming (`None`: the [`MemoryPlan`](crate::memory_plan::MemoryPlan)'s default).
     pub cache_bytes: Option<u64>,
     /// Reads in flight at once.
     pub io_depth: usize,

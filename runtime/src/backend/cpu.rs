@@ -49,6 +49,10 @@ pub struct CpuKv {
     head_dim: usize,
 }
 
+/// Positions a head's cache array grows by. Capacity stays within this of the length: `Vec`'s doubling would
+/// let a long context hold up to twice the memory the planner's KV budget counts.
+const KV_GROW_POSITIONS: usize = 256;
+
 impl CpuKv {
     /// Appends rows `[positions, kv_heads·head_dim]` of keys and values.
     fn append(&mut self, ks: &[f32], vs: &[f32]) {
@@ -57,6 +61,13 @@ impl CpuKv {
             let width = cache.len() * hd;
             if width == 0 {
                 continue;
+            }
+            let added = rows.len() / width * hd;
+            for head in cache.iter_mut() {
+                let need = head.len() + added;
+                if need > head.capacity() {
+                    head.reserve_exact(need.next_multiple_of(KV_GROW_POSITIONS * hd) - head.len());
+                }
             }
             for row in rows.chunks_exact(width) {
                 for (h, head) in cache.iter_mut().enumerate() {
@@ -499,5 +510,38 @@ impl Backend for CpuBackend {
             data: out,
             cols: hidden,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_arrays_grow_in_steps_not_by_doubling() {
+        let (kv_heads, hd) = (2, 8);
+        let mut kv = CpuKv {
+            k: vec![Vec::new(); kv_heads],
+            v: vec![Vec::new(); kv_heads],
+            head_dim: hd,
+        };
+        let row = |p: usize, n: usize| -> Vec<f32> { (0..n * kv_heads * hd).map(|i| (p * 1000 + i) as f32).collect() };
+        // A 300-token prompt, then one token at a time.
+        kv.append(&row(0, 300), &row(0, 300));
+        for p in 300..1100 {
+            kv.append(&row(p, 1), &row(p, 1));
+            for head in kv.k.iter().chain(&kv.v) {
+                assert!(
+                    head.capacity() < head.len() + KV_GROW_POSITIONS * hd,
+                    "{p}: {}",
+                    head.capacity()
+                );
+            }
+        }
+        assert_eq!(kv.len(), 1100);
+        // Rows were split per head in order: position 1099's key for head 1.
+        assert_eq!(kv.k[1][1099 * hd], row(1099, 1)[hd]);
+        kv.truncate(10);
+        assert_eq!(kv.len(), 10);
     }
 }
