@@ -955,7 +955,7 @@ pub(super) fn q4_tiled_rows(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) 
     use super::FloatType as F;
     // SAFETY: AVX-512 F/BW/VL/VNNI detected above; the asserts bound every read (tiles of `rows`, `tokens`
     // rows of activations, block scales and group sums) and every write (row < rows, token < tokens at
-    // row·ostride + token).
+    // row·ostride + token); prefetches may point past the tiles, by wrapping arithmetic, and never fault.
     unsafe {
         match (a.ty, a.tokens) {
             (F::F32, 4) => q4_tiled::<TY_F32, 4, 1>(a, out, ostride),
@@ -1020,8 +1020,15 @@ unsafe fn q4_tiles<const TY: u8, const T: usize, const P: usize>(
     let mut acc = [[_mm512_setzero_ps(); T]; P];
     let mut bacc = [[_mm512_setzero_ps(); T]; P];
     for g in 0..groups {
-        // No software prefetch: a tile is one linear stream, which the hardware prefetchers follow
-        // best alone (from DRAM, prefetching 4 KiB ahead cut one thread from ~22 to ~16 GB/s).
+        // The next group of every tile, one cache line at a time (measured on medium: decode +13%, prefill +17%
+        // over none; half a group or two groups ahead did no better). Past the last group this points beyond the
+        // tiles: `wrapping_add`, and a prefetch never faults.
+        for base in bases {
+            let next = base.wrapping_add((g + 1) * gb);
+            for line in (0..gb).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(line) as *const i8);
+            }
+        }
         for p in 0..P {
             let gp = bases[p].add(g * gb);
             let b = load_scales::<TY>(gp.add(TILE_ROWS * size), TILE_ROWS);
