@@ -50,6 +50,10 @@ pub struct BenchArgs {
     /// Seconds spent on each bandwidth probe (0: skip the probes).
     #[arg(long, default_value_t = 3.0)]
     probe_seconds: f64,
+    /// Write the routing trace (experts in the expert cache, not mmap) to this file: one `layer expert` line per distinct
+    /// record each layer step asked for, in order, and a `# run name, first request` line where each run begins.
+    #[arg(long)]
+    trace_out: Option<PathBuf>,
     /// Compute threads (default: all cores).
     #[arg(short = 't', long, env = "SLUICE_THREADS")]
     threads: Option<usize>,
@@ -335,6 +339,12 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         _ => None,
     };
     let m = &p.model;
+    if let Some(path) = &a.trace_out {
+        let t = trace.context(
+            "--trace-out needs experts served by the expert cache (resident or streamed), not --experts mmap",
+        )?;
+        write_trace(path, &t.requests(), &runs).with_context(|| format!("writing {}", path.display()))?;
+    }
     if let (Some(t), Some(slots), Some(disk), Some(ram)) = (trace, slots, disk_probe_gb_s, &in_ram) {
         let requests = t.requests();
         for r in &mut runs {
@@ -367,6 +377,26 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         runs,
     };
     Ok(report)
+}
+
+/// The routing trace as text: `layer expert` per request, a comment where each run's prefill and decode begin.
+fn write_trace(path: &Path, requests: &[RecordKey], runs: &[RunReport]) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut marks: Vec<(usize, String)> = Vec::new();
+    for r in runs {
+        if let Some([prefill, decode]) = &r.trace_ranges {
+            marks.push((prefill.start, format!("# {} prefill", r.run)));
+            marks.push((decode.start, format!("# {} decode", r.run)));
+        }
+    }
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+    for (i, (layer, expert)) in requests.iter().enumerate() {
+        for (_, m) in marks.iter().filter(|(at, _)| *at == i) {
+            writeln!(out, "{m}")?;
+        }
+        writeln!(out, "{layer} {expert}")?;
+    }
+    out.flush()
 }
 
 /// Fills in run `r`'s bounds for prefill and decode: the misses an optimal cache of `slots` would have on

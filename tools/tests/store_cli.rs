@@ -75,6 +75,8 @@ fn convert_inspect_and_generate_from_a_store_match_the_directory() {
 fn bench_reports_runs_and_probes_as_json() {
     let dir = fixture("qwen3_moe-q4g64");
     let d = dir.to_str().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let trace = tmp.path().join("trace.txt");
     let (out, _) = ok(&[
         "bench",
         "-m",
@@ -90,7 +92,24 @@ fn bench_reports_runs_and_probes_as_json() {
         "-b",
         "3",
         "--json",
+        "--trace-out",
+        trace.to_str().unwrap(),
     ]);
+    // The trace: each run's phases marked in order, then `layer expert` requests of the fixture's shape.
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let marks: Vec<&str> = text.lines().filter(|l| l.starts_with('#')).collect();
+    assert_eq!(
+        marks,
+        ["# cold prefill", "# cold decode", "# warm prefill", "# warm decode"]
+    );
+    let requests: Vec<(usize, usize)> = (text.lines().filter(|l| !l.starts_with('#')))
+        .map(|l| {
+            let (a, b) = l.split_once(' ').unwrap();
+            (a.parse().unwrap(), b.parse().unwrap())
+        })
+        .collect();
+    assert!(requests.len() >= 2 * 4 * 2, "{}", requests.len());
+    assert!(requests.iter().all(|&(_, e)| e < 8), "experts of an 8-expert model");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["mode"], "stream");
     assert_eq!(v["prefill_chunk"], 3);
@@ -131,6 +150,28 @@ fn bench_reports_runs_and_probes_as_json() {
     assert!(out.contains("decode/s") && out.contains("warm"), "{out}");
     // The label says where the experts were: auto on a tiny model keeps them resident; mmap is mmap.
     assert!(out.contains("mode resident |"), "{out}");
+    // Mapped experts bypass the cache, so there is no trace: a clear error.
+    let err = fails(&[
+        "bench",
+        "-m",
+        d,
+        "-p",
+        "2",
+        "-n",
+        "2",
+        "--runs",
+        "warm",
+        "--probe-seconds",
+        "0",
+        "--experts",
+        "mmap",
+        "--trace-out",
+        trace.to_str().unwrap(),
+    ]);
+    assert!(
+        err.contains("--trace-out needs experts served by the expert cache"),
+        "{err}"
+    );
     let (out, _) = ok(&[
         "bench",
         "-m",

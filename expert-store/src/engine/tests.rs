@@ -553,6 +553,32 @@ fn prompt_sweeps_miss_nearly_as_seldom_as_the_optimal_cache() {
     assert_eq!(src.slot_census(), (0, slots));
 }
 
+/// Fetches `experts` of `layer` and waits for all of them (released at once, as a decode step does).
+fn step(src: &StreamingSource, layer: usize, experts: &[usize]) {
+    let mut f = src.fetch_layer(layer, experts).unwrap();
+    while let Some(r) = f.next_ready() {
+        r.unwrap();
+    }
+}
+
+/// Decode: a record its layer passed over for two tokens goes before one the current layer used a token ago,
+/// though the current layer comes back last.
+#[test]
+fn a_record_its_layer_kept_skipping_goes_first() {
+    let (t, _file) = table_of(&[0, 1]);
+    let src = StreamingSource::new(t, &options(3 * SLOT, 1)).unwrap();
+    step(&src, 0, &[0]);
+    step(&src, 1, &[0]);
+    step(&src, 0, &[1]); // the next token: layer 0 skips expert 0
+    step(&src, 1, &[0]);
+    step(&src, 0, &[1]); // and again
+                         // Full: (0,0) skipped twice, (1,0) used last token. Evicting by layer alone would take (1,0).
+    step(&src, 1, &[2]);
+    assert_eq!(src.resident(), [(0, 1), (1, 2), (1, 0)]);
+    let c = counters(&src);
+    assert_eq!((c.hits, c.misses), (2, 4), "{c:?}");
+}
+
 /// A guess evicts only records of its own layer or of layers that come back after it, never a record
 /// the layers before it will want first.
 #[test]
