@@ -134,60 +134,27 @@ fn bench_reports_runs_and_probes_as_json() {
     assert!(v["disk_probe_gb_s"].as_f64().unwrap() > 0.0);
     assert!(v["dram_probe_gb_s"].as_f64().unwrap() > 0.0);
     assert!(v["fresh_memory_gb_s"].as_f64().unwrap() > 0.0);
-    let (out, _) = ok(&[
-        "bench",
-        "-m",
-        d,
-        "-p",
-        "4",
-        "-n",
-        "2",
-        "--runs",
-        "warm",
-        "--probe-seconds",
-        "0",
-    ]);
+    // Short warm runs with `extra` flags.
+    let warm = |extra: &[&str]| -> Vec<String> {
+        let base = "bench -m {} -p 2 -n 2 --runs warm --probe-seconds 0".split(' ');
+        (base.map(|a| if a == "{}" { d } else { a }))
+            .chain(extra.iter().copied())
+            .map(String::from)
+            .collect()
+    };
+    let run = |extra: &[&str]| ok(&warm(extra).iter().map(String::as_str).collect::<Vec<_>>()).0;
+    let out = run(&[]);
     assert!(out.contains("decode/s") && out.contains("warm"), "{out}");
     // The label says where the experts were: auto on a tiny model keeps them resident; mmap is mmap.
     assert!(out.contains("mode resident |"), "{out}");
-    // Mapped experts bypass the cache, so there is no trace: a clear error.
-    let err = fails(&[
-        "bench",
-        "-m",
-        d,
-        "-p",
-        "2",
-        "-n",
-        "2",
-        "--runs",
-        "warm",
-        "--probe-seconds",
-        "0",
-        "--experts",
-        "mmap",
-        "--trace-out",
-        trace.to_str().unwrap(),
-    ]);
+    // Mapped experts bypass the cache, so there is no trace to write: a clear error.
+    let traced = warm(&["--experts", "mmap", "--trace-out", trace.to_str().unwrap()]);
+    let err = fails(&traced.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(
         err.contains("--trace-out needs experts served by the expert cache"),
         "{err}"
     );
-    let (out, _) = ok(&[
-        "bench",
-        "-m",
-        d,
-        "-p",
-        "2",
-        "-n",
-        "2",
-        "--runs",
-        "warm",
-        "--probe-seconds",
-        "0",
-        "--experts",
-        "mmap",
-        "--json",
-    ]);
+    let out = run(&["--experts", "mmap", "--json"]);
     assert_eq!(serde_json::from_str::<serde_json::Value>(&out).unwrap()["mode"], "mmap");
 }
 
