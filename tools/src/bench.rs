@@ -50,8 +50,9 @@ pub struct BenchArgs {
     /// Seconds spent on each bandwidth probe (0: skip the probes).
     #[arg(long, default_value_t = 3.0)]
     probe_seconds: f64,
-    /// Write the routing trace (experts in the expert cache, not mmap) to this file: one `layer expert` line per distinct
-    /// record each layer step asked for, in order, and a `# run name, first request` line where each run begins.
+    /// Write the routing trace (experts in the expert cache, not mmap) to this file: one `layer expert` line
+    /// per distinct record each layer step asked for, in order, and a `# run phase` line (`# warm decode`)
+    /// where each run's prefill and decode begin.
     #[arg(long)]
     trace_out: Option<PathBuf>,
     /// Compute threads (default: all cores).
@@ -339,16 +340,17 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         _ => None,
     };
     let m = &p.model;
+    // The trace, copied out of its log once for the file and the bounds.
+    let requests = trace.map(TracingSource::requests);
     if let Some(path) = &a.trace_out {
-        let t = trace.context(
+        let requests = requests.as_deref().context(
             "--trace-out needs experts served by the expert cache (resident or streamed), not --experts mmap",
         )?;
-        write_trace(path, &t.requests(), &runs).with_context(|| format!("writing {}", path.display()))?;
+        write_trace(path, requests, &runs).with_context(|| format!("writing {}", path.display()))?;
     }
-    if let (Some(t), Some(slots), Some(disk), Some(ram)) = (trace, slots, disk_probe_gb_s, &in_ram) {
-        let requests = t.requests();
+    if let (Some(requests), Some(slots), Some(disk), Some(ram)) = (&requests, slots, disk_probe_gb_s, &in_ram) {
         for r in &mut runs {
-            judge_against_optimal(r, &requests, slots, record_bytes, disk, ram);
+            judge_against_optimal(r, requests, slots, record_bytes, disk, ram);
         }
     }
     let report = Report {
