@@ -1,14 +1,15 @@
 //! Attention's cost by depth, with the machine's DRAM read bandwidth measured in the same run.
 //!
 //! `cargo bench -p sluice-runtime --bench attention` (add `-- --quick` for a shorter run). The shape is
-//! Qwen3-30B-A3B's (32 query heads, 4 key/value heads, 128 dims), f32 cache as the cpu backend keeps it.
-//! Decode rows give time per token per layer and the cache bytes read per second; prefill rows give
+//! Qwen3-30B-A3B's (32 query heads, 4 key/value heads, 128 dims), with the cache in f32 and in f16 as the cpu
+//! backend keeps it. Decode rows give time per token per layer and the cache bytes read per second; prefill rows give
 //! GFLOP/s of the score and weighted-sum products. A last line times softmax alone (ours against a libm
 //! `exp` loop) on rows as long as the deepest decode's.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
+use sluice_runtime::cpu::kv::{KvHead, KvType};
 use sluice_runtime::cpu::Isa;
 use sluice_runtime::ops::{attention, AttnShape};
 
@@ -35,55 +36,65 @@ fn main() {
     let (qw, kvw) = (shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim);
     let fill =
         |len: usize, seed: usize| -> Vec<f32> { (0..len).map(|i| ((i * 7 + seed) as f32 * 0.013).sin()).collect() };
-    // One `[positions, head_dim]` array per key/value head, as the cpu backend keeps its cache.
-    let cache = |depth: usize, seed: usize| -> Vec<Vec<f32>> {
-        (0..shape.kv_heads)
-            .map(|h| fill(depth * shape.head_dim, seed * shape.kv_heads + h))
-            .collect()
-    };
     let budget = Duration::from_millis(if quick { 300 } else { 1500 });
-    for depth in [512usize, 2048, 8192] {
-        let (kc, vc, q) = (cache(depth, 1), cache(depth, 2), fill(qw, 3));
-        let secs = time(budget, || {
-            black_box(attention(isa, shape, &q, 1, &kc, &vc));
-        });
-        let gbps = (2 * depth * kvw * 4) as f64 / secs / 1e9;
-        println!(
-            "decode at depth {depth:>5}: {:7.1} µs per layer   cache read {gbps:5.1} GB/s = {:4.1}% of DRAM   (one layer, cache-hot)",
-            secs * 1e6,
-            100.0 * gbps / dram
-        );
-        // As in a model: each layer's cache comes from DRAM, the other layers having passed since.
-        let layers: Vec<_> = (0..LAYERS)
-            .map(|l| (cache(depth, 2 * l + 1), cache(depth, 2 * l + 2)))
-            .collect();
-        let mut l = 0;
-        let secs = time(budget, || {
-            let (kc, vc) = &layers[l];
-            black_box(attention(isa, shape, &q, 1, kc, vc));
-            l = (l + 1) % LAYERS;
-        });
-        let gbps = (2 * depth * kvw * 4) as f64 / secs / 1e9;
-        println!(
-            "decode at depth {depth:>5}: {:7.1} µs per layer   cache read {gbps:5.1} GB/s = {:4.1}% of DRAM   ({LAYERS} layers in turn)",
-            secs * 1e6,
-            100.0 * gbps / dram
-        );
-    }
-    let chunk = 512;
-    for end in [512usize, 2048, 8192] {
-        let (kc, vc, q) = (cache(end, 1), cache(end, 2), fill(chunk * qw, 3));
-        let secs = time(budget, || {
-            black_box(attention(isa, shape, &q, chunk, &kc, &vc));
-        });
-        // Each query position p sees p + 1 keys: two products of head_dim per head and key.
-        let pairs: usize = (end - chunk..end).map(|p| p + 1).sum();
-        let flops = (4 * pairs * shape.heads * shape.head_dim) as f64;
-        println!(
-            "prefill {chunk} tokens ending at {end:>5}: {:8.1} ms per layer   {:6.1} GFLOP/s",
-            secs * 1e3,
-            flops / secs / 1e9
-        );
+    for ty in [KvType::F32, KvType::F16] {
+        // One cache per key/value head, as the cpu backend keeps it.
+        let cache = |depth: usize, seed: usize| -> Vec<KvHead> {
+            (0..shape.kv_heads)
+                .map(|h| {
+                    let (k, v) = (
+                        fill(depth * shape.head_dim, 2 * (seed * shape.kv_heads + h)),
+                        fill(depth * shape.head_dim, 2 * (seed * shape.kv_heads + h) + 1),
+                    );
+                    let mut c = KvHead::new(ty, shape.head_dim);
+                    for (k, v) in k.chunks_exact(shape.head_dim).zip(v.chunks_exact(shape.head_dim)) {
+                        c.push(k, v);
+                    }
+                    c
+                })
+                .collect()
+        };
+        let bytes = |depth: usize| (2 * depth * kvw * ty.size()) as f64;
+        for depth in [512usize, 2048, 8192] {
+            let (kv, q) = (cache(depth, 1), fill(qw, 3));
+            let secs = time(budget, || {
+                black_box(attention(isa, shape, &q, 1, &kv));
+            });
+            let gbps = bytes(depth) / secs / 1e9;
+            println!(
+                "{ty:?} decode at depth {depth:>5}: {:7.1} µs per layer   cache read {gbps:5.1} GB/s = {:4.1}% of DRAM   (one layer, cache-hot)",
+                secs * 1e6,
+                100.0 * gbps / dram
+            );
+            // As in a model: each layer's cache comes from DRAM, the other layers having passed since.
+            let layers: Vec<_> = (0..LAYERS).map(|l| cache(depth, l + 1)).collect();
+            let mut l = 0;
+            let secs = time(budget, || {
+                black_box(attention(isa, shape, &q, 1, &layers[l]));
+                l = (l + 1) % LAYERS;
+            });
+            let gbps = bytes(depth) / secs / 1e9;
+            println!(
+                "{ty:?} decode at depth {depth:>5}: {:7.1} µs per layer   cache read {gbps:5.1} GB/s = {:4.1}% of DRAM   ({LAYERS} layers in turn)",
+                secs * 1e6,
+                100.0 * gbps / dram
+            );
+        }
+        let chunk = 512;
+        for end in [512usize, 2048, 8192] {
+            let (kv, q) = (cache(end, 1), fill(chunk * qw, 3));
+            let secs = time(budget, || {
+                black_box(attention(isa, shape, &q, chunk, &kv));
+            });
+            // Each query position p sees p + 1 keys: two products of head_dim per head and key.
+            let pairs: usize = (end - chunk..end).map(|p| p + 1).sum();
+            let flops = (4 * pairs * shape.heads * shape.head_dim) as f64;
+            println!(
+                "{ty:?} prefill {chunk} tokens ending at {end:>5}: {:8.1} ms per layer   {:6.1} GFLOP/s",
+                secs * 1e3,
+                flops / secs / 1e9
+            );
+        }
     }
     let row = fill(8192, 4);
     let mut x = row.clone();

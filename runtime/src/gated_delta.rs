@@ -255,7 +255,7 @@ mod tests {
         let decay_rate: Vec<f32> = (0..s.v_heads).map(|_| rng.gen_range(0.2f32..3.0)).collect();
         let dt_bias: Vec<f32> = (0..s.v_heads).map(|_| rng.gen_range(-3f32..0.0)).collect();
         let norm: Vec<f32> = (0..s.v_dim).map(|_| rng.gen_range(0.5f32..1.5)).collect();
-        let be = CpuBackend;
+        let be = CpuBackend::default();
         let net = GatedDeltaNet::<CpuBackend> {
             proj: InProj::Split { qkv, z, b, a },
             weights: DeltaParams {

@@ -350,10 +350,16 @@ mod tests {
             data: x.to_vec(),
             cols: m.hidden,
         };
-        m.forward(&CpuBackend, &x, ks, &mut || Ok(Vec::new()), &StepProfile::default())
-            .unwrap()
-            .0
-            .data
+        m.forward(
+            &CpuBackend::default(),
+            &x,
+            ks,
+            &mut || Ok(Vec::new()),
+            &StepProfile::default(),
+        )
+        .unwrap()
+        .0
+        .data
     }
 
     #[test]
@@ -434,7 +440,13 @@ mod tests {
             cols: 64,
         };
         let e = m
-            .forward(&CpuBackend, &x, &[2], &mut || Ok(Vec::new()), &StepProfile::default())
+            .forward(
+                &CpuBackend::default(),
+                &x,
+                &[2],
+                &mut || Ok(Vec::new()),
+                &StepProfile::default(),
+            )
             .unwrap_err();
         assert!(e.to_string().contains("no expert record for layer 3"), "{e}");
     }

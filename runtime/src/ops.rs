@@ -1,6 +1,7 @@
 //! Element-wise and attention ops of the `cpu` backend, on row-major f32 activations.
 
 use crate::config::RopeScaling;
+use crate::cpu::kv::KvHead;
 use crate::cpu::Isa;
 use crate::error::{ModelError, Result};
 
@@ -152,25 +153,17 @@ impl AttnShape {
     }
 }
 
-/// Causal GQA for the last `n` positions of a sequence whose keys and values are `kc`, `vc`: one
-/// `[positions, head_dim]` array per key/value head, those `n` positions included; `q` is `[n, heads·head_dim]`.
-/// Returns `[n, heads·head_dim]`.
+/// Causal GQA for the last `n` positions of a sequence whose keys and values are `cache`, one [`KvHead`] per
+/// key/value head holding those `n` positions too; `q` is `[n, heads·head_dim]`. Returns `[n, heads·head_dim]`.
 ///
-/// Each head's cache is contiguous because a task reads one head: in a `[positions, kv_heads·head_dim]` layout
-/// its rows are 512 of every 2,048 bytes, and the hardware prefetchers fetch the rest too, so a decode step
-/// read its caches from DRAM at a quarter of the probe.
-///
-/// One task per (position, key/value head): the query heads sharing that head read each key and value row
-/// once, not once each (a group of 8 read the cache 8 times before, which made depth cost up to half the
-/// step). Each head's numbers are computed as if alone (same dot, softmax, accumulation order), so results
-/// do not depend on the grouping, batch or threads.
-pub fn attention<C: AsRef<[f32]> + Sync>(isa: Isa, s: AttnShape, q: &[f32], n: usize, kc: &[C], vc: &[C]) -> Vec<f32> {
+/// One task per (position, key/value head): the query heads sharing that head read each key block and value
+/// row once, not once each (a group of 8 read the cache 8 times before, which made depth cost up to half the
+/// step). Each head's numbers are computed as if alone (the same multiply-add chains), so results do not
+/// depend on the grouping, batch or threads.
+pub fn attention(isa: Isa, s: AttnShape, q: &[f32], n: usize, cache: &[KvHead]) -> Vec<f32> {
     let hd = s.head_dim;
-    assert!(
-        kc.len() == s.kv_heads && vc.len() == s.kv_heads,
-        "attention: one key and value cache per head"
-    );
-    let total = kc.first().map_or(0, |k| k.as_ref().len() / hd);
+    assert!(cache.len() == s.kv_heads, "attention: one cache per key/value head");
+    let total = cache.first().map_or(0, KvHead::len);
     let pos0 = total - n;
     let scale = 1.0 / (hd as f32).sqrt();
     let group = s.heads / s.kv_heads;
@@ -181,29 +174,11 @@ pub fn attention<C: AsRef<[f32]> + Sync>(isa: Isa, s: AttnShape, q: &[f32], n: u
         let visible = pos0 + t + 1;
         // scores[g·visible + j]: query head g of the group against position j.
         let mut scores = vec![0f32; group * visible];
-        let (kh, vh) = (kc[kvh].as_ref(), vc[kvh].as_ref());
-        let key = |j: usize| &kh[j * hd..(j + 1) * hd];
-        // Four positions at a time: one query against four keys overlaps four dot products' latencies.
-        let whole = visible - visible % 4;
-        for j in (0..whole).step_by(4) {
-            let ks = [key(j), key(j + 1), key(j + 2), key(j + 3)];
-            for (g, qh) in qg.chunks_exact(hd).enumerate() {
-                let s = isa.dots4(qh, ks);
-                for (d, s) in s.iter().enumerate() {
-                    scores[g * visible + j + d] = s * scale;
-                }
-            }
-        }
-        for j in whole..visible {
-            for (g, qh) in qg.chunks_exact(hd).enumerate() {
-                scores[g * visible + j] = isa.dot(qh, key(j)) * scale;
-            }
-        }
+        isa.key_scores(qg, cache[kvh].keys(), hd, visible, scale, &mut scores);
         for row in scores.chunks_exact_mut(visible) {
             isa.softmax(row);
         }
-        // All the group's heads in one pass over the values: each value row is read once per eight heads.
-        isa.weighted_rows_grouped(o, hd, &scores, vh, hd);
+        isa.weighted_values(o, &scores, cache[kvh].values(), hd);
     };
     if n * s.heads * total * hd < 1 << 16 {
         out.chunks_mut(group * hd).enumerate().for_each(work);
@@ -216,6 +191,7 @@ pub fn attention<C: AsRef<[f32]> + Sync>(isa: Isa, s: AttnShape, q: &[f32], n: u
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::kv::KvType;
 
     #[test]
     fn rope_preserves_norm_and_rotates_pairs() {
@@ -236,6 +212,19 @@ mod tests {
         .is_err());
     }
 
+    fn caches(ty: KvType, kv: &[f32], kv_heads: usize, hd: usize) -> Vec<KvHead> {
+        (0..kv_heads)
+            .map(|h| {
+                let mut c = KvHead::new(ty, hd);
+                for row in kv.chunks_exact(2 * kv_heads * hd) {
+                    let (k, v) = row.split_at(kv_heads * hd);
+                    c.push(&k[h * hd..(h + 1) * hd], &v[h * hd..(h + 1) * hd]);
+                }
+                c
+            })
+            .collect()
+    }
+
     #[test]
     fn attention_of_one_position_returns_its_value() {
         let s = AttnShape {
@@ -243,38 +232,41 @@ mod tests {
             kv_heads: 1,
             head_dim: 2,
         };
-        let o = attention(Isa::Scalar, s, &[1.0, 2.0, 3.0, 4.0], 1, &[[0.5, 0.5]], &[[7.0, 9.0]]);
+        let cache = caches(KvType::F32, &[0.5, 0.5, 7.0, 9.0], 1, 2);
+        let o = attention(Isa::Scalar, s, &[1.0, 2.0, 3.0, 4.0], 1, &cache);
         assert_eq!(o, vec![7.0, 9.0, 7.0, 9.0]);
     }
 
-    /// `[positions, kv_heads·hd]` split into one `[positions, hd]` array per head.
-    fn by_head(c: &[f32], kv_heads: usize, hd: usize) -> Vec<Vec<f32>> {
-        (0..kv_heads)
-            .map(|h| {
-                c.chunks_exact(kv_heads * hd)
-                    .flat_map(|row| &row[h * hd..(h + 1) * hd])
-                    .copied()
-                    .collect()
-            })
-            .collect()
-    }
-
-    /// One query head at a time, each reading the whole cache in `[positions, kv_heads·hd]` order: the oracle.
-    fn attention_per_head(isa: Isa, s: AttnShape, q: &[f32], n: usize, kc: &[f32], vc: &[f32]) -> Vec<f32> {
+    /// One query head at a time over rows `[positions, (k, v) × kv_heads·hd]` as written (rounded to the
+    /// cache's type), with the same multiply-add chains: the oracle.
+    fn attention_per_head(s: AttnShape, q: &[f32], n: usize, kv: &[f32], ty: KvType) -> Vec<f32> {
         let (hd, kvw) = (s.head_dim, s.kv_heads * s.head_dim);
-        let pos0 = kc.len() / kvw - n;
+        let round = |x: f32| {
+            if ty == KvType::F16 {
+                half::f16::from_f32(x).to_f32()
+            } else {
+                x
+            }
+        };
+        let pos0 = kv.len() / (2 * kvw) - n;
         let mut out = vec![0f32; n * s.heads * hd];
         for (i, o) in out.chunks_mut(hd).enumerate() {
             let (t, h) = (i / s.heads, i % s.heads);
             let kvh = h / (s.heads / s.kv_heads);
             let qh = &q[(t * s.heads + h) * hd..(t * s.heads + h + 1) * hd];
+            let row = |j: usize, part: usize| &kv[j * 2 * kvw + part * kvw + kvh * hd..][..hd];
             let mut scores: Vec<f32> = (0..pos0 + t + 1)
-                .map(|j| isa.dot(qh, &kc[j * kvw + kvh * hd..j * kvw + (kvh + 1) * hd]) * (1.0 / (hd as f32).sqrt()))
+                .map(|j| {
+                    qh.iter()
+                        .zip(row(j, 0))
+                        .fold(0f32, |acc, (&x, &k)| x.mul_add(round(k), acc))
+                        * (1.0 / (hd as f32).sqrt())
+                })
                 .collect();
             softmax(&mut scores);
             for (j, p) in scores.iter().enumerate() {
-                for (acc, x) in o.iter_mut().zip(&vc[j * kvw + kvh * hd..j * kvw + (kvh + 1) * hd]) {
-                    *acc += p * x;
+                for (acc, &x) in o.iter_mut().zip(row(j, 1)) {
+                    *acc = p.mul_add(round(x), *acc);
                 }
             }
         }
@@ -290,6 +282,7 @@ mod tests {
             (4, 4, 8, 1, 40),
             (32, 4, 128, 3, 200),
             (6, 1, 4, 7, 0),
+            (12, 1, 64, 17, 16),
         ] {
             let s = AttnShape {
                 heads,
@@ -298,14 +291,17 @@ mod tests {
             };
             let total = n + past;
             let mut r = |len: usize| (0..len).map(|_| rng.gen_range(-2.0f32..2.0)).collect::<Vec<f32>>();
-            let (q, kc, vc) = (r(n * heads * hd), r(total * kv_heads * hd), r(total * kv_heads * hd));
-            for isa in Isa::available() {
-                let want = attention_per_head(isa, s, &q, n, &kc, &vc);
-                let got = attention(isa, s, &q, n, &by_head(&kc, kv_heads, hd), &by_head(&vc, kv_heads, hd));
-                assert!(
-                    want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{isa:?} heads {heads}/{kv_heads}, n {n}, past {past}"
-                );
+            let (q, kv) = (r(n * heads * hd), r(2 * total * kv_heads * hd));
+            for ty in [KvType::F32, KvType::F16] {
+                let want = attention_per_head(s, &q, n, &kv, ty);
+                let cache = caches(ty, &kv, kv_heads, hd);
+                for isa in Isa::available() {
+                    let got = attention(isa, s, &q, n, &cache);
+                    assert!(
+                        want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{isa:?} {ty:?} heads {heads}/{kv_heads}, n {n}, past {past}"
+                    );
+                }
             }
         }
     }

@@ -1,6 +1,7 @@
 //! What the user chooses about serving: where experts live, how they are read, which backend computes, and
 //! the byte sizes users write (`512M`, `4GiB`).
 
+use crate::cpu::kv::KvType;
 use crate::model::PrefetchMode;
 
 /// Where expert weights live while serving.
@@ -80,6 +81,8 @@ pub struct ExpertOptions {
     pub backend: BackendKind,
     /// The context limit the KV budget is planned for (`None`: the planner's default).
     pub context: Option<usize>,
+    /// Element type of the `cpu` backend's KV caches (the other backends keep f32).
+    pub kv_cache: KvType,
 }
 
 /// Which compute backend runs the model (see [`crate::backend`]).
@@ -116,6 +119,16 @@ impl std::str::FromStr for BackendKind {
     }
 }
 
+impl ExpertOptions {
+    /// Bytes per K or V element the chosen backend keeps.
+    pub fn kv_element_bytes(&self) -> u64 {
+        match self.backend {
+            BackendKind::Cpu => self.kv_cache.size() as u64,
+            BackendKind::Mlx | BackendKind::Reference => 4,
+        }
+    }
+}
+
 impl Default for ExpertOptions {
     fn default() -> Self {
         Self {
@@ -128,6 +141,7 @@ impl Default for ExpertOptions {
             prefetch_ahead: DEFAULT_PREFETCH_AHEAD,
             backend: BackendKind::default_for_build(),
             context: None,
+            kv_cache: KvType::F32,
         }
     }
 }

@@ -257,26 +257,31 @@ fn fixture_logits_stay_close_to_mlx_lm() {
     assert!(mean <= 0.1, "mean relative logit error {mean}");
 }
 
-/// The quality gate that lets `q8` be the command line's default: on the trained targets' held-out text, its
-/// perplexity at every k of the golden stays within 0.5% of mlx-lm's (float) perplexity. A kernel that
-/// rounded activations any coarser, or misplaced a block, would move it by far more.
+/// The quality gate that lets the command line's defaults be `q8` kernels and an f16 KV cache: on the trained
+/// targets' held-out text, perplexity at every k of the golden stays within 0.5% of mlx-lm's (float)
+/// perplexity. A kernel that rounded activations any coarser, or misplaced a block, would move it by far more.
 #[test]
 fn trained_perplexity_stays_within_half_a_percent_of_mlx_lm() {
     use common::{EvalGolden, TRAINED_TARGETS};
+    use sluice_runtime::cpu::kv::KvType;
     use sluice_runtime::eval::evaluate;
-    use sluice_runtime::Pipeline;
+    use sluice_runtime::{ExpertOptions, Pipeline};
 
     set_q8_activations(true);
+    let opts = ExpertOptions {
+        kv_cache: KvType::F16,
+        ..ExpertOptions::default()
+    };
     for name in TRAINED_TARGETS {
         let dir = common::fixture(name);
         let g = EvalGolden::load(&dir);
-        let p = Pipeline::load(&dir).unwrap();
+        let p = Pipeline::load_with(&dir, &opts).unwrap();
         let ours = evaluate(&p.model, &g.token_ids(&p), &g.options(), |_, _| {}).unwrap();
         for (o, want) in ours.iter().zip(&g.rows) {
             let want = want.perplexity;
             let rel = o.perplexity / want - 1.0;
             eprintln!(
-                "{name}: k={} q8 perplexity {:.4}, mlx-lm {want:.4} ({rel:+.2e})",
+                "{name}: k={} q8 + f16 KV perplexity {:.4}, mlx-lm {want:.4} ({rel:+.2e})",
                 o.top_k, o.perplexity
             );
             assert!(rel.abs() < 5e-3, "{name}: k={}: {} vs {want}", o.top_k, o.perplexity);

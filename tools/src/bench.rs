@@ -140,6 +140,8 @@ pub(crate) struct Report {
     /// Expert records rewritten into the int8 kernels' tiles as they load.
     pub(crate) tiled_experts: bool,
     pub(crate) prefetch: String,
+    /// Element type of the KV cache (`f16` or `f32`).
+    pub(crate) kv_cache: String,
     pub(crate) threads: usize,
     pub(crate) load_seconds: f64,
     pub(crate) disk_probe_gb_s: Option<f64>,
@@ -370,6 +372,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
             (PrefetchMode::None, _) => "none".to_string(),
             (mode, ahead) => format!("{mode:?}, {ahead} ahead"),
         },
+        kv_cache: if opts.kv_element_bytes() == 2 { "f16" } else { "f32" }.into(),
         threads: rayon::current_num_threads(),
         load_seconds,
         disk_probe_gb_s,
@@ -615,13 +618,14 @@ fn print_table(r: &Report) {
         r.expert_bytes_per_token as f64 / 1e6
     );
     println!(
-        "mode {} | slots {} | io depth {} | direct {} | tiled {} | prefetch {} | threads {} | load {:.1} s",
+        "mode {} | slots {} | io depth {} | direct {} | tiled {} | prefetch {} | kv {} | threads {} | load {:.1} s",
         r.mode,
         r.cache_slots.map_or("-".into(), |s| s.to_string()),
         r.io_depth,
         r.direct_io,
         r.tiled_experts,
         r.prefetch,
+        r.kv_cache,
         r.threads,
         r.load_seconds
     );

@@ -81,7 +81,9 @@ pub fn run(a: DoctorArgs) -> Result<()> {
         Some(p) => Some(index_total_size(p)?),
         None => None,
     };
-    let size = size_from_config(&config, index_total)?;
+    let mut opts = a.engine.options()?;
+    opts.context = a.ctx_size;
+    let size = size_from_config(&config, index_total, opts.kv_element_bytes())?;
     let top_ks = match &a.top_k {
         Some(spec) => parse_top_ks(spec, size.num_experts)?,
         None if size.num_experts == 0 => vec![0],
@@ -90,8 +92,6 @@ pub fn run(a: DoctorArgs) -> Result<()> {
     for &k in &top_ks {
         check_top_k(&size, k)?;
     }
-    let mut opts = a.engine.options()?;
-    opts.context = a.ctx_size;
     let machine = MachineMemory::probe();
     let plan = MemoryPlan::new(machine, size.footprint, &PlanRequest::from_options(&opts));
     let time = Duration::from_secs_f64(a.probe_seconds.max(0.1));

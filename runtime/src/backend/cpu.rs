@@ -9,6 +9,7 @@ use rayon::prelude::*;
 use expert_store::ExpertRecord;
 
 use super::{Backend, ExpertJob, KvState, Pick, RecurrentState, SeqSpan};
+use crate::cpu::kv::{KvHead, KvType};
 use crate::cpu::Isa;
 use crate::error::{ModelError, Result};
 use crate::gated_delta::{sigmoid, silu, softplus, DeltaParams, DeltaShape};
@@ -18,7 +19,10 @@ use crate::weights::ExpertLayout;
 
 /// sluice's own kernels.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct CpuBackend;
+pub struct CpuBackend {
+    /// Element type of the KV caches it makes.
+    pub kv: KvType,
+}
 
 /// Row-major `[rows, cols]` f32 values.
 #[derive(Debug, Clone, PartialEq)]
@@ -40,39 +44,24 @@ impl CpuTensor {
     }
 }
 
-/// Keys and values, one `[positions, head_dim]` array per key/value head (a head's attention task then reads
-/// one contiguous stream).
+/// Keys and values, one [`KvHead`] per key/value head (a head's attention task then reads its own arrays).
 #[derive(Debug, Clone)]
 pub struct CpuKv {
-    pub(crate) k: Vec<Vec<f32>>,
-    pub(crate) v: Vec<Vec<f32>>,
+    pub(crate) heads: Vec<KvHead>,
     head_dim: usize,
 }
-
-/// Positions a head's cache array grows by. Capacity stays within this of the length: `Vec`'s doubling would
-/// let a long context hold up to twice the memory the planner's KV budget counts.
-const KV_GROW_POSITIONS: usize = 256;
 
 impl CpuKv {
     /// Appends rows `[positions, kv_heads·head_dim]` of keys and values.
     fn append(&mut self, ks: &[f32], vs: &[f32]) {
         let hd = self.head_dim;
-        for (cache, rows) in [(&mut self.k, ks), (&mut self.v, vs)] {
-            let width = cache.len() * hd;
-            if width == 0 {
-                continue;
-            }
-            let added = rows.len() / width * hd;
-            for head in cache.iter_mut() {
-                let need = head.len() + added;
-                if need > head.capacity() {
-                    head.reserve_exact(need.next_multiple_of(KV_GROW_POSITIONS * hd) - head.len());
-                }
-            }
-            for row in rows.chunks_exact(width) {
-                for (h, head) in cache.iter_mut().enumerate() {
-                    head.extend_from_slice(&row[h * hd..(h + 1) * hd]);
-                }
+        let width = self.heads.len() * hd;
+        if width == 0 {
+            return;
+        }
+        for (k, v) in ks.chunks_exact(width).zip(vs.chunks_exact(width)) {
+            for (h, head) in self.heads.iter_mut().enumerate() {
+                head.push(&k[h * hd..(h + 1) * hd], &v[h * hd..(h + 1) * hd]);
             }
         }
     }
@@ -80,11 +69,11 @@ impl CpuKv {
 
 impl KvState for CpuKv {
     fn len(&self) -> usize {
-        self.k.first().map_or(0, |k| k.len() / self.head_dim.max(1))
+        self.heads.first().map_or(0, KvHead::len)
     }
     fn truncate(&mut self, len: usize) {
-        for h in self.k.iter_mut().chain(self.v.iter_mut()) {
-            h.truncate(len * self.head_dim);
+        for h in &mut self.heads {
+            h.truncate(len);
         }
     }
 }
@@ -293,8 +282,9 @@ impl Backend for CpuBackend {
 
     fn new_kv(&self, shape: AttnShape) -> CpuKv {
         CpuKv {
-            k: vec![Vec::new(); shape.kv_heads],
-            v: vec![Vec::new(); shape.kv_heads],
+            heads: (0..shape.kv_heads)
+                .map(|_| KvHead::new(self.kv, shape.head_dim))
+                .collect(),
             head_dim: shape.head_dim,
         }
     }
@@ -429,7 +419,7 @@ impl Backend for CpuBackend {
                 &v.data[r.start * v.cols..r.end * v.cols],
             );
             cache.append(ks, vs);
-            out.extend(ops::attention(isa, shape, qs, s.len(), &cache.k, &cache.v));
+            out.extend(ops::attention(isa, shape, qs, s.len(), &cache.heads));
         }
         Ok(CpuTensor {
             data: out,
@@ -518,30 +508,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn kv_arrays_grow_in_steps_not_by_doubling() {
+    fn appended_rows_split_per_head_in_order() {
         let (kv_heads, hd) = (2, 8);
-        let mut kv = CpuKv {
-            k: vec![Vec::new(); kv_heads],
-            v: vec![Vec::new(); kv_heads],
+        let be = CpuBackend { kv: KvType::F32 };
+        let mut kv = be.new_kv(AttnShape {
+            heads: 4,
+            kv_heads,
             head_dim: hd,
-        };
+        });
         let row = |p: usize, n: usize| -> Vec<f32> { (0..n * kv_heads * hd).map(|i| (p * 1000 + i) as f32).collect() };
-        // A 300-token prompt, then one token at a time.
-        kv.append(&row(0, 300), &row(0, 300));
-        for p in 300..1100 {
-            kv.append(&row(p, 1), &row(p, 1));
-            for head in kv.k.iter().chain(&kv.v) {
-                assert!(
-                    head.capacity() < head.len() + KV_GROW_POSITIONS * hd,
-                    "{p}: {}",
-                    head.capacity()
-                );
-            }
+        // A 30-token prompt, then one token at a time.
+        kv.append(&row(0, 30), &row(5, 30));
+        for p in 30..40 {
+            kv.append(&row(p, 1), &row(p + 5, 1));
         }
-        assert_eq!(kv.len(), 1100);
-        // Rows were split per head in order: position 1099's key for head 1.
-        assert_eq!(kv.k[1][1099 * hd], row(1099, 1)[hd]);
+        assert_eq!(kv.len(), 40);
+        // Position 39's value for head 1 is the second half of its row.
+        let crate::cpu::kv::KvSlice::F32(v) = kv.heads[1].values() else {
+            panic!("f32 cache")
+        };
+        assert_eq!(&v[39 * hd..40 * hd], &row(44, 1)[hd..]);
         kv.truncate(10);
-        assert_eq!(kv.len(), 10);
+        assert!(kv.heads.iter().all(|h| h.len() == 10));
     }
 }

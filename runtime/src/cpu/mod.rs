@@ -6,6 +6,9 @@
 //! computed by one thread in a fixed order, so results do not depend on thread count or on how many tokens
 //! share the call: a prefill row equals the same token decoded alone, bit for bit.
 
+pub mod kv;
+#[cfg(target_arch = "x86_64")]
+mod kv_x86;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 pub mod q8;
@@ -146,9 +149,6 @@ pub enum Isa {
     Neon,
 }
 
-/// A kernel that sums value rows for eight outputs at once: `(out, d, w, v, stride)`.
-type WeightedRows8 = fn(&mut [f32], usize, &[f32], &[f32], usize);
-
 impl Isa {
     /// The best instruction set this CPU supports (overridable with `SLUICE_ISA=scalar|avx2|avx512|neon`).
     pub fn detect() -> Isa {
@@ -172,7 +172,8 @@ impl Isa {
         let mut v = Vec::new();
         #[cfg(target_arch = "x86_64")]
         {
-            let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+            let avx2 =
+                is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
             if avx2 && is_x86_feature_detected!("avx512f") {
                 v.push(Isa::Avx512);
             }
@@ -203,89 +204,6 @@ impl Isa {
             #[cfg(target_arch = "aarch64")]
             Isa::Neon => neon::dot(a, b),
             _ => scalar::dot(a, b),
-        }
-    }
-
-    /// [`Isa::dot`] of `a` with each of four equally long slices (the same bits as four calls), faster where
-    /// the instruction set can overlap them.
-    #[inline]
-    pub fn dots4(self, a: &[f32], bs: [&[f32]; 4]) -> [f32; 4] {
-        match self {
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 if bs.iter().all(|b| b.len() == a.len()) => x86::dots4_avx512(a, bs),
-            _ => bs.map(|b| self.dot(a, b)),
-        }
-    }
-
-    /// `out[c] += Σ_j w[j]·v[j·stride + c]` (attention's probability-weighted sum of value rows), each
-    /// element's terms added in `j` order, multiply then add: the same bits on every instruction set.
-    #[inline]
-    pub fn weighted_rows(self, out: &mut [f32], w: &[f32], v: &[f32], stride: usize) {
-        let Some(last) = w.len().checked_sub(1) else {
-            return;
-        };
-        assert!(
-            last * stride + out.len() <= v.len(),
-            "weighted_rows: {} rows of {} at stride {stride} overrun {} values",
-            w.len(),
-            out.len(),
-            v.len()
-        );
-        match self {
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => x86::weighted_rows_avx2(out, w, v, stride),
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => x86::weighted_rows_avx512(out, w, v, stride),
-            _ => scalar::weighted_rows(out, w, v, stride),
-        }
-    }
-
-    /// [`Isa::weighted_rows`] for several outputs over the same value rows (the query heads of one
-    /// key/value head): `out` holds `out.len() / d` rows of `d`, and row `g` takes the weights
-    /// `w[g·visible..(g+1)·visible]` (`visible = w.len()` over the row count). The same bits as one call per
-    /// row, with each value row loaded once for several of them.
-    #[inline]
-    pub fn weighted_rows_grouped(self, out: &mut [f32], d: usize, w: &[f32], v: &[f32], stride: usize) {
-        let heads = out.len().checked_div(d).unwrap_or(0);
-        if heads == 0 {
-            return;
-        }
-        assert!(
-            out.len() == heads * d && w.len().is_multiple_of(heads),
-            "weighted_rows_grouped: {} outputs of {d}, {} weights",
-            out.len(),
-            w.len()
-        );
-        let Some(last) = (w.len() / heads).checked_sub(1) else {
-            return;
-        };
-        assert!(
-            last * stride + d <= v.len(),
-            "weighted_rows_grouped: {} rows of {d} at stride {stride} overrun {} values",
-            last + 1,
-            v.len()
-        );
-        let visible = last + 1;
-        // Eight heads per pass where a kernel holds them in registers; the rest one at a time.
-        let eight: Option<WeightedRows8> = match self {
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => Some(x86::weighted_rows_8_avx2),
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => Some(x86::weighted_rows_8_avx512),
-            _ => None,
-        };
-        let mut done = 0;
-        if let Some(kernel) = eight {
-            for (o, w) in out.chunks_exact_mut(8 * d).zip(w.chunks_exact(8 * visible)) {
-                kernel(o, d, w, v, stride);
-            }
-            done = heads - heads % 8;
-        }
-        for (o, w) in out[done * d..]
-            .chunks_exact_mut(d)
-            .zip(w[done * visible..].chunks_exact(visible))
-        {
-            self.weighted_rows(o, w, v, stride);
         }
     }
 

@@ -21,15 +21,6 @@ pub(super) fn unpack(bits: u32, packed: &[u8], out: &mut [f32]) {
     }
 }
 
-/// `out[c] += Σ_j w[j]·v[j·stride + c]`, each element's terms added in `j` order, multiply then add.
-pub(super) fn weighted_rows(out: &mut [f32], w: &[f32], v: &[f32], stride: usize) {
-    for (j, &p) in w.iter().enumerate() {
-        for (acc, x) in out.iter_mut().zip(&v[j * stride..]) {
-            *acc += p * x;
-        }
-    }
-}
-
 /// Below this, `exp` returns 0 (the true value is under 1.2e-38; above it, `2^n` stays a normal float).
 pub(super) const EXP_LO: f32 = -87.33;
 /// Above this, `exp` saturates at `exp(EXP_HI)` (≈ 2.6e38, the largest `n` whose `2^n` is finite).

@@ -124,43 +124,68 @@ proptest! {
     }
 
     #[test]
-    fn four_dots_at_once_equal_four_dots_bit_for_bit(v in prop::collection::vec(-4f32..4.0, 0..700)) {
-        let d = v.len() / 5;
-        let a = &v[..d];
-        let bs = [1, 2, 3, 4].map(|k| &v[k * d..(k + 1) * d]);
+    fn attention_kernels_are_the_same_bits_on_every_isa(
+        heads in 1usize..20,
+        hd in prop::sample::select(vec![2usize, 8, 16, 40, 64, 128, 136]),
+        visible in prop::sample::select(vec![0usize, 1, 3, 15, 16, 17, 39, 63, 64, 65, 130, 200]),
+        extra in 0usize..20,
+        f16 in any::<bool>(),
+        seed in 0u32..1000,
+    ) {
+        use kv::{KvHead, KvType};
+        let val = |i: usize| (((i as u32).wrapping_mul(2_654_435_761) ^ seed) % 2001) as f32 / 1000.0 - 1.0;
+        // More positions than visible: the kernels must stop at `visible`.
+        let mut cache = KvHead::new(if f16 { KvType::F16 } else { KvType::F32 }, hd);
+        for p in 0..visible + extra {
+            let row = |s: usize| (0..hd).map(|c| val(s + p * hd + c)).collect::<Vec<f32>>();
+            cache.push(&row(0), &row(1 << 20));
+        }
+        let q: Vec<f32> = (0..heads * hd).map(|i| val(i + 7)).collect();
+        let w: Vec<f32> = (0..heads * visible).map(|i| val(i + 11)).collect();
+        let start: Vec<f32> = (0..heads * hd).map(|i| val(i + 13)).collect();
+        let (mut want_s, mut want_o) = (vec![0f32; heads * visible], start.clone());
+        Isa::Scalar.key_scores(&q, cache.keys(), hd, visible, 0.125, &mut want_s);
+        Isa::Scalar.weighted_values(&mut want_o, &w, cache.values(), hd);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         for isa in Isa::available() {
-            let one = bs.map(|b| isa.dot(a, b).to_bits());
-            prop_assert_eq!(isa.dots4(a, bs).map(f32::to_bits), one, "{:?}, length {}", isa, d);
+            let (mut s, mut o) = (vec![0f32; heads * visible], start.clone());
+            isa.key_scores(&q, cache.keys(), hd, visible, 0.125, &mut s);
+            isa.weighted_values(&mut o, &w, cache.values(), hd);
+            prop_assert_eq!(bits(&s), bits(&want_s), "{:?} scores", isa);
+            prop_assert_eq!(bits(&o), bits(&want_o), "{:?} weighted values", isa);
         }
     }
 
     #[test]
-    fn grouped_weighted_rows_equal_one_call_per_row_bit_for_bit(
-        heads in 1usize..20,
-        d in prop::sample::select(vec![1usize, 8, 16, 40, 64, 128, 136]),
-        visible in prop::sample::select(vec![0usize, 1, 3, 39, 63, 64, 65, 130, 200]),
-        pad in 0usize..20,
-        seed in 0u32..1000,
+    fn attention_kernels_compute_the_products(
+        heads in 1usize..5,
+        hd in prop::sample::select(vec![2usize, 16, 24]),
+        visible in 1usize..40,
     ) {
-        let stride = d + pad;
-        let val = |i: usize| (((i as u32).wrapping_mul(2_654_435_761) ^ seed) % 2001) as f32 / 1000.0 - 1.0;
-        let v: Vec<f32> = (0..visible * stride + d).map(val).collect();
-        let w: Vec<f32> = (0..heads * visible).map(|i| val(i + 7)).collect();
-        let start: Vec<f32> = (0..heads * d).map(|i| val(i + 13)).collect();
+        use kv::{KvHead, KvType};
+        // Against plain f64 sums over rows as pushed: the block layout is read back in the right order.
+        let (ks, vs): (Vec<f32>, Vec<f32>) = (0..visible * hd).map(|i| (((i * 7) % 11) as f32 - 5.0, ((i * 5) % 13) as f32 - 6.0)).unzip();
+        let mut cache = KvHead::new(KvType::F32, hd);
+        for p in 0..visible {
+            cache.push(&ks[p * hd..(p + 1) * hd], &vs[p * hd..(p + 1) * hd]);
+        }
+        let q: Vec<f32> = (0..heads * hd).map(|i| ((i * 3) % 7) as f32 - 3.0).collect();
+        let w: Vec<f32> = (0..heads * visible).map(|i| ((i * 5) % 9) as f32 - 4.0).collect();
         for isa in Isa::available() {
-            let mut want = start.clone();
-            if visible > 0 {
-                for (o, w) in want.chunks_exact_mut(d).zip(w.chunks_exact(visible)) {
-                    isa.weighted_rows(o, w, &v, stride);
+            let mut s = vec![0f32; heads * visible];
+            isa.key_scores(&q, cache.keys(), hd, visible, 0.5, &mut s);
+            let mut o = vec![0f32; heads * hd];
+            isa.weighted_values(&mut o, &w, cache.values(), hd);
+            for g in 0..heads {
+                for j in 0..visible {
+                    let want: f64 = (0..hd).map(|d| q[g * hd + d] as f64 * ks[j * hd + d] as f64).sum::<f64>() * 0.5;
+                    prop_assert_eq!(s[g * visible + j] as f64, want, "{:?} score {} {}", isa, g, j);
+                }
+                for c in 0..hd {
+                    let want: f64 = (0..visible).map(|j| w[g * visible + j] as f64 * vs[j * hd + c] as f64).sum();
+                    prop_assert_eq!(o[g * hd + c] as f64, want, "{:?} value {} {}", isa, g, c);
                 }
             }
-            let mut got = start.clone();
-            isa.weighted_rows_grouped(&mut got, d, &w, &v, stride);
-            prop_assert_eq!(
-                got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                "{:?}", isa
-            );
         }
     }
 

@@ -77,7 +77,7 @@ pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &Expe
         &stacks,
         store,
         opts,
-        footprint(&arch.dims),
+        footprint(&arch.dims, opts.kv_element_bytes()),
         rewrite,
     )?;
     let (source, memory_plan) = (opened.source, opened.plan);
@@ -117,7 +117,7 @@ pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &Expe
         awake_steps: memory_plan.placement == ExpertPlacement::Resident,
     };
     let runner: Box<dyn Runner> = match opts.backend {
-        BackendKind::Cpu => Box::new(build_decoder(CpuBackend, parts)?),
+        BackendKind::Cpu => Box::new(build_decoder(CpuBackend { kv: opts.kv_cache }, parts)?),
         BackendKind::Reference => Box::new(build_decoder(ReferenceBackend, parts)?),
         #[cfg(feature = "mlx")]
         BackendKind::Mlx => Box::new(build_decoder(crate::backend::mlx::MlxBackend, parts)?),
@@ -290,13 +290,13 @@ impl DecoderDims {
     }
 }
 
-/// The per-sequence memory a model of these dimensions needs: f32 K and V for every full-attention layer, and
-/// the f32 state and conv history of every linear-attention layer.
-pub(crate) fn footprint(d: &DecoderDims) -> ModelFootprint {
+/// The per-sequence memory a model of these dimensions needs: K and V of `kv_bytes` per element for every
+/// full-attention layer, and the f32 state and conv history of every linear-attention layer.
+pub(crate) fn footprint(d: &DecoderDims, kv_bytes: u64) -> ModelFootprint {
     let f32s = 4u64;
     let linear = d.hybrid.as_ref().map_or(0, |h| h.linear.iter().filter(|&&l| l).count());
     let kv_layers = (d.layers - linear) as u64;
-    let kv = kv_layers * 2 * (d.attn.kv_heads * d.attn.head_dim) as u64 * f32s;
+    let kv = kv_layers * 2 * (d.attn.kv_heads * d.attn.head_dim) as u64 * kv_bytes;
     let state = d
         .hybrid
         .as_ref()
