@@ -56,9 +56,16 @@ impl std::str::FromStr for KvType {
 pub(super) trait KvElem: Copy + Default {
     fn from_f32(x: f32) -> Self;
     fn to_f32(self) -> f32;
+    /// The slice itself when the elements are f32 (the NEON kernels widen other types into a buffer).
+    #[cfg_attr(not(target_arch = "aarch64"), allow(dead_code))]
+    fn as_f32(s: &[Self]) -> Option<&[f32]>;
 }
 
 impl KvElem for f32 {
+    #[inline(always)]
+    fn as_f32(s: &[f32]) -> Option<&[f32]> {
+        Some(s)
+    }
     #[inline(always)]
     fn from_f32(x: f32) -> Self {
         x
@@ -70,6 +77,10 @@ impl KvElem for f32 {
 }
 
 impl KvElem for f16 {
+    #[inline(always)]
+    fn as_f32(_: &[f16]) -> Option<&[f32]> {
+        None
+    }
     #[inline(always)]
     fn from_f32(x: f32) -> Self {
         f16::from_f32(x)
@@ -258,6 +269,10 @@ impl Isa {
             (Isa::Avx2, KvSlice::F32(k)) => super::kv_x86::key_scores_avx2(q, k, hd, visible, scale, out),
             #[cfg(target_arch = "x86_64")]
             (Isa::Avx2, KvSlice::F16(k)) => super::kv_x86::key_scores_avx2(q, k, hd, visible, scale, out),
+            #[cfg(target_arch = "aarch64")]
+            (Isa::Neon, KvSlice::F32(k)) => super::neon::key_scores(q, k, hd, visible, scale, out),
+            #[cfg(target_arch = "aarch64")]
+            (Isa::Neon, KvSlice::F16(k)) => super::neon::key_scores(q, k, hd, visible, scale, out),
             (_, KvSlice::F32(k)) => key_scores_scalar(q, k, hd, visible, scale, out),
             (_, KvSlice::F16(k)) => key_scores_scalar(q, k, hd, visible, scale, out),
         }
@@ -287,6 +302,10 @@ impl Isa {
             (Isa::Avx2, KvSlice::F32(v)) => super::kv_x86::weighted_values_avx2(out, w, v, hd),
             #[cfg(target_arch = "x86_64")]
             (Isa::Avx2, KvSlice::F16(v)) => super::kv_x86::weighted_values_avx2(out, w, v, hd),
+            #[cfg(target_arch = "aarch64")]
+            (Isa::Neon, KvSlice::F32(v)) => super::neon::weighted_values(out, w, v, hd),
+            #[cfg(target_arch = "aarch64")]
+            (Isa::Neon, KvSlice::F16(v)) => super::neon::weighted_values(out, w, v, hd),
             (_, KvSlice::F32(v)) => weighted_values_scalar(out, w, v, hd),
             (_, KvSlice::F16(v)) => weighted_values_scalar(out, w, v, hd),
         }
