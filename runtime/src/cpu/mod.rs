@@ -141,7 +141,7 @@ pub enum MatRef<'a> {
 pub enum Isa {
     /// Portable scalar code.
     Scalar,
-    /// x86-64 AVX2 + FMA.
+    /// x86-64 AVX2 + FMA (+ F16C, which every AVX2 CPU has).
     Avx2,
     /// x86-64 AVX-512F (unpacking uses AVX2).
     Avx512,
