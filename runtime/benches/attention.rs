@@ -2,8 +2,8 @@
 //!
 //! `cargo bench -p sluice-runtime --bench attention` (add `-- --quick` for a shorter run). The shape is
 //! Qwen3-30B-A3B's (32 query heads, 4 key/value heads, 128 dims), with the cache in f32 and in f16 as the cpu
-//! backend keeps it. Decode rows give time per token per layer and the cache bytes read per second; prefill rows give
-//! GFLOP/s of the score and weighted-sum products. A last line times softmax alone (ours against a libm
+//! backend keeps it. Decode rows give time per token per layer and the cache bytes read per second; prefill rows
+//! give GFLOP/s of the score and weighted-sum products. A last line times softmax alone (ours against a libm
 //! `exp` loop) on rows as long as the deepest decode's.
 
 use std::hint::black_box;

@@ -120,12 +120,17 @@ impl std::str::FromStr for BackendKind {
 }
 
 impl ExpertOptions {
+    /// Element type of the KV caches the chosen backend keeps.
+    pub fn kv_type(&self) -> KvType {
+        match self.backend {
+            BackendKind::Cpu => self.kv_cache,
+            BackendKind::Mlx | BackendKind::Reference => KvType::F32,
+        }
+    }
+
     /// Bytes per K or V element the chosen backend keeps.
     pub fn kv_element_bytes(&self) -> u64 {
-        match self.backend {
-            BackendKind::Cpu => self.kv_cache.size() as u64,
-            BackendKind::Mlx | BackendKind::Reference => 4,
-        }
+        self.kv_type().size() as u64
     }
 }
 

@@ -372,7 +372,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
             (PrefetchMode::None, _) => "none".to_string(),
             (mode, ahead) => format!("{mode:?}, {ahead} ahead"),
         },
-        kv_cache: if opts.kv_element_bytes() == 2 { "f16" } else { "f32" }.into(),
+        kv_cache: opts.kv_type().name().into(),
         threads: rayon::current_num_threads(),
         load_seconds,
         disk_probe_gb_s,

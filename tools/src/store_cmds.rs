@@ -50,8 +50,8 @@ pub struct EngineArgs {
     pub kernels: Kernels,
     /// Element type of the cpu backend's KV cache: `f16` (half the memory, so twice the context in the same
     /// budget, and half the bytes attention reads per token; held-out perplexity within 0.02% of f32 on the
-    /// trained fixture), `f32`,
-    /// or `auto` (f16 with `--kernels q8`, f32 with `exact`, which then matches mlx-lm to ~1e-5).
+    /// trained fixture), `f32`, or `auto` (f16 with `--kernels q8`, f32 with `exact`, which then matches mlx-lm
+    /// to ~1e-5).
     #[arg(long, default_value = "auto", env = "SLUICE_KV_CACHE")]
     pub kv_cache: KvCacheArg,
     /// Compute backend: `cpu` (sluice's kernels) or `mlx` (MLX: Metal on macOS; needs a build with

@@ -39,15 +39,12 @@ impl KvType {
             KvType::F16 => 2,
         }
     }
-}
 
-impl std::str::FromStr for KvType {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "f32" => Ok(Self::F32),
-            "f16" => Ok(Self::F16),
-            _ => Err(format!("unknown KV cache type `{s}` (f32, f16)")),
+    /// `f32` or `f16`.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvType::F32 => "f32",
+            KvType::F16 => "f16",
         }
     }
 }
@@ -163,15 +160,16 @@ fn push_into<T: KvElem>(keys: &mut Vec<T>, values: &mut Vec<T>, hd: usize, p: us
     let (block, lane) = (p / KEY_BLOCK, p % KEY_BLOCK);
     let start = block * KEY_BLOCK * hd;
     if lane == 0 {
+        // `truncate` keeps whole blocks, so a new block starts at the end.
+        debug_assert_eq!(keys.len(), start);
         reserve(keys, start + KEY_BLOCK * hd, hd);
-        keys.truncate(start);
         keys.resize(start + KEY_BLOCK * hd, T::default());
     }
     for (d, &x) in k.iter().enumerate() {
         keys[start + d * KEY_BLOCK + lane] = T::from_f32(x);
     }
+    debug_assert_eq!(values.len(), p * hd);
     reserve(values, (p + 1) * hd, hd);
-    values.truncate(p * hd);
     values.extend(v.iter().map(|&x| T::from_f32(x)));
 }
 
@@ -306,8 +304,8 @@ impl Isa {
             (Isa::Neon, KvSlice::F32(v)) => super::neon::weighted_values(out, w, v, hd),
             #[cfg(target_arch = "aarch64")]
             (Isa::Neon, KvSlice::F16(v)) => super::neon::weighted_values(out, w, v, hd),
-            (_, KvSlice::F32(v)) => weighted_values_scalar(out, w, v, hd),
-            (_, KvSlice::F16(v)) => weighted_values_scalar(out, w, v, hd),
+            (_, KvSlice::F32(v)) => weighted_values_scalar(out, w, v, hd, 0),
+            (_, KvSlice::F16(v)) => weighted_values_scalar(out, w, v, hd, 0),
         }
     }
 }
@@ -333,12 +331,13 @@ pub(super) fn key_scores_scalar<T: KvElem>(
     }
 }
 
-/// [`Isa::weighted_values`] one element at a time: the oracle the SIMD kernels equal bit for bit.
-pub(super) fn weighted_values_scalar<T: KvElem>(out: &mut [f32], w: &[f32], values: &[T], hd: usize) {
+/// [`Isa::weighted_values`] one element at a time, for columns `from..hd`: the oracle the SIMD kernels equal
+/// bit for bit (`from` 0), and their columns past the last whole register.
+pub(super) fn weighted_values_scalar<T: KvElem>(out: &mut [f32], w: &[f32], values: &[T], hd: usize, from: usize) {
     let visible = w.len() / (out.len() / hd);
     for (o, w) in out.chunks_exact_mut(hd).zip(w.chunks_exact(visible)) {
         for (&p, row) in w.iter().zip(values.chunks_exact(hd)) {
-            for (acc, &x) in o.iter_mut().zip(row) {
+            for (acc, &x) in o[from..].iter_mut().zip(&row[from..]) {
                 *acc = p.mul_add(x.to_f32(), *acc);
             }
         }

@@ -256,7 +256,7 @@ pub(super) fn weighted_values_avx512<T: Lanes>(out: &mut [f32], w: &[f32], value
     unsafe { values_avx512(&a, heads) };
     let wide = hd - hd % 16;
     if wide < hd {
-        tail_columns(out, w, values, hd, wide);
+        super::kv::weighted_values_scalar(out, w, values, hd, wide);
     }
 }
 
@@ -330,7 +330,7 @@ pub(super) fn weighted_values_avx2<T: Lanes>(out: &mut [f32], w: &[f32], values:
     unsafe { values_avx2(&a, heads) };
     let wide = hd - hd % 16;
     if wide < hd {
-        tail_columns(out, w, values, hd, wide);
+        super::kv::weighted_values_scalar(out, w, values, hd, wide);
     }
 }
 
@@ -375,18 +375,6 @@ unsafe fn cols_avx2<T: Lanes, const H: usize>(a: &Weighted<T>, g0: usize, c0: us
     for (g, acc) in acc.iter().enumerate() {
         for (i, v) in acc.iter().enumerate() {
             _mm256_storeu_ps(at(g, i), *v);
-        }
-    }
-}
-
-/// Columns `from..hd` of every head, element by element (the same chains as the vector lanes).
-fn tail_columns<T: KvElem>(out: &mut [f32], w: &[f32], values: &[T], hd: usize, from: usize) {
-    let visible = w.len() / (out.len() / hd);
-    for (o, w) in out.chunks_exact_mut(hd).zip(w.chunks_exact(visible)) {
-        for (&p, row) in w.iter().zip(values.chunks_exact(hd)) {
-            for (acc, &x) in o[from..].iter_mut().zip(&row[from..]) {
-                *acc = p.mul_add(x.to_f32(), *acc);
-            }
         }
     }
 }

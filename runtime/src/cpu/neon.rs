@@ -143,13 +143,9 @@ pub(super) fn weighted_values<T: KvElem>(out: &mut [f32], w: &[f32], values: &[T
             }
             g += h;
         }
-        for (o, w) in out.chunks_exact_mut(hd).zip(w.chunks_exact(a.visible)) {
-            for (&p, row) in w[j0..j1].iter().zip(rows.chunks_exact(hd)) {
-                for (acc, &x) in o[wide_cols..].iter_mut().zip(&row[wide_cols..]) {
-                    *acc = p.mul_add(x, *acc);
-                }
-            }
-        }
+    }
+    if wide_cols < hd {
+        super::kv::weighted_values_scalar(out, w, values, hd, wide_cols);
     }
 }
 
