@@ -1,5 +1,7 @@
 //! Element-wise and attention ops of the `cpu` backend, on row-major f32 activations.
 
+use std::cell::RefCell;
+
 use crate::config::RopeScaling;
 use crate::cpu::kv::KvHead;
 use crate::cpu::Isa;
@@ -153,37 +155,106 @@ impl AttnShape {
     }
 }
 
+/// Query positions an attention task covers when a prefill has enough of them: each key block and value row is
+/// then loaded once for all their heads, not once per position (a position's task at 8k deep streams its head's
+/// whole cache, more than L2 holds).
+const POSITIONS_PER_TASK: usize = 4;
+
+thread_local! {
+    /// A task's scores and outputs, kept between tasks: every score a task reads it writes first, and a deep
+    /// task's fresh megabyte cost page faults and zeroing each time.
+    static SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
 /// Causal GQA for the last `n` positions of a sequence whose keys and values are `cache`, one [`KvHead`] per
 /// key/value head holding those `n` positions too; `q` is `[n, heads·head_dim]`. Returns `[n, heads·head_dim]`.
 ///
-/// One task per (position, key/value head): the query heads sharing that head read each key block and value
-/// row once, not once each (a group of 8 read the cache 8 times before, which made depth cost up to half the
-/// step). Each head's numbers are computed as if alone (the same multiply-add chains), so results do not
-/// depend on the grouping, batch or threads.
+/// In a decode, one task per key/value head: the query heads that share it read each key block and value row
+/// once, not once each. In a prefill, one task per run of positions, which reads each head's blocks and rows
+/// once for all the run's query heads. Each head's numbers are computed as if alone (the
+/// same multiply-add chains over its own visible positions), so results do not depend on the grouping, the
+/// positions per task, the batch or the threads.
 pub fn attention(isa: Isa, s: AttnShape, q: &[f32], n: usize, cache: &[KvHead]) -> Vec<f32> {
+    // Enough tasks left to keep every thread busy, or one position each.
+    let per = if n >= 8 * POSITIONS_PER_TASK * rayon::current_num_threads() {
+        POSITIONS_PER_TASK
+    } else {
+        1
+    };
+    attention_in_runs(isa, s, q, n, cache, per)
+}
+
+/// [`attention`] with tasks of `per` positions (and every key/value head), or of one position and one
+/// key/value head when `per` is 1.
+fn attention_in_runs(isa: Isa, s: AttnShape, q: &[f32], n: usize, cache: &[KvHead], per: usize) -> Vec<f32> {
     let hd = s.head_dim;
     assert!(cache.len() == s.kv_heads, "attention: one cache per key/value head");
     let total = cache.first().map_or(0, KvHead::len);
     let pos0 = total - n;
     let scale = 1.0 / (hd as f32).sqrt();
     let group = s.heads / s.kv_heads;
-    let mut out = vec![0f32; n * s.heads * hd];
-    let work = |(i, o): (usize, &mut [f32])| {
-        let (t, kvh) = (i / s.kv_heads, i % s.kv_heads);
-        let qg = &q[(t * s.heads + kvh * group) * hd..(t * s.heads + (kvh + 1) * group) * hd];
-        let visible = pos0 + t + 1;
-        // scores[g·visible + j]: query head g of the group against position j.
-        let mut scores = vec![0f32; group * visible];
-        isa.key_scores(qg, cache[kvh].keys(), hd, visible, scale, &mut scores);
-        for row in scores.chunks_exact_mut(visible) {
-            isa.softmax(row);
+    let (gw, width) = (group * hd, s.heads * hd);
+    let mut out = vec![0f32; n * width];
+    if out.is_empty() {
+        return out;
+    }
+    // Positions `t0..t0 + m` against key/value head `kvh`, into `o` (`[m][group·hd]`).
+    let run = |kvh: usize, t0: usize, m: usize, o: &mut [f32], scores: &mut Vec<f32>| {
+        let (shortest, longest) = (pos0 + t0 + 1, pos0 + t0 + m);
+        let (keys, values) = (cache[kvh].keys(), cache[kvh].values());
+        // The positions' query heads in a row: `m·group` heads against the last one's visible keys.
+        let mut qs = Vec::with_capacity(m * gw);
+        for t in t0..t0 + m {
+            qs.extend_from_slice(&q[(t * s.heads + kvh * group) * hd..][..gw]);
         }
-        isa.weighted_values(o, &scores, cache[kvh].values(), hd);
+        if scores.len() < m * group * longest {
+            scores.resize(m * group * longest, 0.0);
+        }
+        let scores = &mut scores[..m * group * longest];
+        isa.key_scores(&qs, keys, hd, longest, scale, scores);
+        // Each row over its own position's keys; the scores past them are never read.
+        for (r, row) in scores.chunks_exact_mut(longest).enumerate() {
+            isa.softmax(&mut row[..shortest + r / group]);
+        }
+        // The keys every position sees, for all of them together, then each later position's own.
+        isa.weighted_values(o, scores, longest, 0..shortest, values, hd);
+        for i in 1..m {
+            let rows = &scores[i * group * longest..(i + 1) * group * longest];
+            isa.weighted_values(
+                &mut o[i * gw..(i + 1) * gw],
+                rows,
+                longest,
+                shortest..shortest + i,
+                values,
+                hd,
+            );
+        }
     };
+    let work = |(i, o): (usize, &mut [f32])| {
+        SCRATCH.with_borrow_mut(|(scores, tmp)| {
+            if per == 1 {
+                return run(i % s.kv_heads, i / s.kv_heads, 1, o, scores);
+            }
+            // A run's output rows interleave the heads: each head's go through `tmp`.
+            let m = o.len() / width;
+            for kvh in 0..s.kv_heads {
+                tmp.clear();
+                tmp.resize(m * gw, 0.0);
+                run(kvh, i * per, m, tmp, scores);
+                for (t, rows) in tmp.chunks_exact(gw).enumerate() {
+                    o[t * width + kvh * gw..][..gw].copy_from_slice(rows);
+                }
+            }
+        })
+    };
+    let tasks: Vec<_> = out
+        .chunks_mut(if per == 1 { gw } else { per * width })
+        .enumerate()
+        .collect();
     if n * s.heads * total * hd < 1 << 16 {
-        out.chunks_mut(group * hd).enumerate().for_each(work);
+        tasks.into_iter().for_each(work);
     } else {
-        crate::threads::parallel_each(out.chunks_mut(group * hd).enumerate().collect(), work);
+        crate::threads::parallel_each(tasks, work);
     }
     out
 }
@@ -283,6 +354,7 @@ mod tests {
             (32, 4, 128, 3, 200),
             (6, 1, 4, 7, 0),
             (12, 1, 64, 17, 16),
+            (16, 2, 40, 23, 30),
         ] {
             let s = AttnShape {
                 heads,
@@ -296,11 +368,15 @@ mod tests {
                 let want = attention_per_head(s, &q, n, &kv, ty);
                 let cache = caches(ty, &kv, kv_heads, hd);
                 for isa in Isa::available() {
-                    let got = attention(isa, s, &q, n, &cache);
-                    assert!(
-                        want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{isa:?} {ty:?} heads {heads}/{kv_heads}, n {n}, past {past}"
-                    );
+                    // Every run length, including ones that do not divide the positions.
+                    for per in [1, 2, 3, 4, 8] {
+                        let got = attention_in_runs(isa, s, &q, n, &cache, per);
+                        assert!(
+                            want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{isa:?} {ty:?} heads {heads}/{kv_heads}, n {n}, past {past}, {per} per task"
+                        );
+                    }
+                    assert_eq!(attention(isa, s, &q, n, &cache), want);
                 }
             }
         }

@@ -9,6 +9,8 @@
 //! Every score is one fused multiply-add chain in dim order and every output element one chain in position
 //! order, so all instruction sets give the same bits, as do a batch and each of its sequences alone.
 
+use std::ops::Range;
+
 use half::f16;
 
 use super::Isa;
@@ -276,36 +278,47 @@ impl Isa {
         }
     }
 
-    /// The probability-weighted sum of value rows for `out.len() / hd` query heads: `out[g·hd + c] +=
-    /// Σ_j w[g·visible + j]·v[j·hd + c]` with `visible = w.len() / heads`, each element one fused multiply-add
-    /// chain in `j` order.
-    pub fn weighted_values(self, out: &mut [f32], w: &[f32], values: KvSlice<'_>, hd: usize) {
+    /// The probability-weighted sum of value rows `rows` for `out.len() / hd` query heads: `out[g·hd + c] +=
+    /// Σ_{j ∈ rows} w[g·stride + j]·v[j·hd + c]`, each element one fused multiply-add chain in `j` order (so
+    /// summing `0..a` and then `a..b` into the same `out` gives the bits of summing `0..b`).
+    pub fn weighted_values(
+        self,
+        out: &mut [f32],
+        w: &[f32],
+        stride: usize,
+        rows: Range<usize>,
+        values: KvSlice<'_>,
+        hd: usize,
+    ) {
         let heads = out.len().checked_div(hd).unwrap_or(0);
-        let visible = w.len().checked_div(heads).unwrap_or(0);
         assert!(
-            out.len() == heads * hd && w.len() == heads * visible && values.len() >= visible * hd,
-            "weighted_values: {heads} heads of {hd}, {} weights, {} value elements",
+            out.len() == heads * hd
+                && rows.end <= stride
+                && (heads == 0 || w.len() >= (heads - 1) * stride + rows.end)
+                && values.len() >= rows.end * hd,
+            "weighted_values: {heads} heads of {hd}, rows {rows:?} of {stride}, {} weights, {} value elements",
             w.len(),
             values.len()
         );
-        if visible == 0 {
+        if rows.is_empty() || heads == 0 {
             return;
         }
+        let r = rows;
         match (self, values) {
             #[cfg(target_arch = "x86_64")]
-            (Isa::Avx512, KvSlice::F32(v)) => super::kv_x86::weighted_values_avx512(out, w, v, hd),
+            (Isa::Avx512, KvSlice::F32(v)) => super::kv_x86::weighted_values_avx512(out, w, stride, r, v, hd),
             #[cfg(target_arch = "x86_64")]
-            (Isa::Avx512, KvSlice::F16(v)) => super::kv_x86::weighted_values_avx512(out, w, v, hd),
+            (Isa::Avx512, KvSlice::F16(v)) => super::kv_x86::weighted_values_avx512(out, w, stride, r, v, hd),
             #[cfg(target_arch = "x86_64")]
-            (Isa::Avx2, KvSlice::F32(v)) => super::kv_x86::weighted_values_avx2(out, w, v, hd),
+            (Isa::Avx2, KvSlice::F32(v)) => super::kv_x86::weighted_values_avx2(out, w, stride, r, v, hd),
             #[cfg(target_arch = "x86_64")]
-            (Isa::Avx2, KvSlice::F16(v)) => super::kv_x86::weighted_values_avx2(out, w, v, hd),
+            (Isa::Avx2, KvSlice::F16(v)) => super::kv_x86::weighted_values_avx2(out, w, stride, r, v, hd),
             #[cfg(target_arch = "aarch64")]
-            (Isa::Neon, KvSlice::F32(v)) => super::neon::weighted_values(out, w, v, hd),
+            (Isa::Neon, KvSlice::F32(v)) => super::neon::weighted_values(out, w, stride, r, v, hd),
             #[cfg(target_arch = "aarch64")]
-            (Isa::Neon, KvSlice::F16(v)) => super::neon::weighted_values(out, w, v, hd),
-            (_, KvSlice::F32(v)) => weighted_values_scalar(out, w, v, hd, 0),
-            (_, KvSlice::F16(v)) => weighted_values_scalar(out, w, v, hd, 0),
+            (Isa::Neon, KvSlice::F16(v)) => super::neon::weighted_values(out, w, stride, r, v, hd),
+            (_, KvSlice::F32(v)) => weighted_values_scalar(out, w, stride, r, v, hd, 0),
+            (_, KvSlice::F16(v)) => weighted_values_scalar(out, w, stride, r, v, hd, 0),
         }
     }
 }
@@ -333,10 +346,18 @@ pub(super) fn key_scores_scalar<T: KvElem>(
 
 /// [`Isa::weighted_values`] one element at a time, for columns `from..hd`: the oracle the SIMD kernels equal
 /// bit for bit (`from` 0), and their columns past the last whole register.
-pub(super) fn weighted_values_scalar<T: KvElem>(out: &mut [f32], w: &[f32], values: &[T], hd: usize, from: usize) {
-    let visible = w.len() / (out.len() / hd);
-    for (o, w) in out.chunks_exact_mut(hd).zip(w.chunks_exact(visible)) {
-        for (&p, row) in w.iter().zip(values.chunks_exact(hd)) {
+pub(super) fn weighted_values_scalar<T: KvElem>(
+    out: &mut [f32],
+    w: &[f32],
+    stride: usize,
+    rows: Range<usize>,
+    values: &[T],
+    hd: usize,
+    from: usize,
+) {
+    for (g, o) in out.chunks_exact_mut(hd).enumerate() {
+        for j in rows.clone() {
+            let (p, row) = (w[g * stride + j], &values[j * hd..(j + 1) * hd]);
             for (acc, &x) in o[from..].iter_mut().zip(&row[from..]) {
                 *acc = p.mul_add(x.to_f32(), *acc);
             }

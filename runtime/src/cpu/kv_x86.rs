@@ -2,6 +2,7 @@
 //! `kv::key_scores_scalar` and `kv::weighted_values_scalar`, lane by lane, so the same bits.
 
 use std::arch::x86_64::*;
+use std::ops::Range;
 
 use half::f16;
 
@@ -95,31 +96,34 @@ pub(super) fn key_scores_avx512<T: Lanes>(
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 unsafe fn scores_avx512<T: Lanes>(a: &Scores<T>, heads: usize) {
     let blocks = a.visible.div_ceil(KEY_BLOCK);
-    let mut g = 0;
-    while g < heads {
-        // Eight heads × two blocks: sixteen independent chains hide the multiply-add latency.
-        let h = heads_in_pass(heads - g, 8);
-        let mut b = 0;
-        while b + 2 <= blocks {
-            let bs = [b, b + 1];
-            match h {
-                8 => blocks_avx512::<T, 8, 2>(a, g, bs),
-                4 => blocks_avx512::<T, 4, 2>(a, g, bs),
-                2 => blocks_avx512::<T, 2, 2>(a, g, bs),
-                _ => blocks_avx512::<T, 1, 2>(a, g, bs),
+    // Blocks outside, heads inside: a prefill task's many heads (several positions' groups) each read the two
+    // blocks while they are in L1, so the cache streams from memory once per task.
+    let mut b = 0;
+    while b < blocks {
+        let mut g = 0;
+        while g < heads {
+            // Eight heads × two blocks: sixteen independent chains hide the multiply-add latency.
+            let h = heads_in_pass(heads - g, 8);
+            if b + 2 <= blocks {
+                let bs = [b, b + 1];
+                match h {
+                    8 => blocks_avx512::<T, 8, 2>(a, g, bs),
+                    4 => blocks_avx512::<T, 4, 2>(a, g, bs),
+                    2 => blocks_avx512::<T, 2, 2>(a, g, bs),
+                    _ => blocks_avx512::<T, 1, 2>(a, g, bs),
+                }
+            } else {
+                let bs = [b];
+                match h {
+                    8 => blocks_avx512::<T, 8, 1>(a, g, bs),
+                    4 => blocks_avx512::<T, 4, 1>(a, g, bs),
+                    2 => blocks_avx512::<T, 2, 1>(a, g, bs),
+                    _ => blocks_avx512::<T, 1, 1>(a, g, bs),
+                }
             }
-            b += 2;
+            g += h;
         }
-        if b < blocks {
-            let bs = [b];
-            match h {
-                8 => blocks_avx512::<T, 8, 1>(a, g, bs),
-                4 => blocks_avx512::<T, 4, 1>(a, g, bs),
-                2 => blocks_avx512::<T, 2, 1>(a, g, bs),
-                _ => blocks_avx512::<T, 1, 1>(a, g, bs),
-            }
-        }
-        g += h;
+        b += 2;
     }
 }
 
@@ -131,9 +135,11 @@ unsafe fn blocks_avx512<T: Lanes, const H: usize, const B: usize>(a: &Scores<T>,
         // The blocks `PREFETCH_BLOCKS` ahead, a line per dim (at depth 8192 in the `attention` bench, 1.41 →
         // 1.24 ms per layer with f16). Past the last block this points beyond the keys: `wrapping_add`, and a
         // prefetch never faults.
-        for b in bs {
-            let ahead = a.keys.wrapping_add(((b + PREFETCH_BLOCKS) * a.hd + d) * KEY_BLOCK);
-            _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+        if g0 == 0 {
+            for b in bs {
+                let ahead = a.keys.wrapping_add(((b + PREFETCH_BLOCKS) * a.hd + d) * KEY_BLOCK);
+                _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+            }
         }
         let k: [__m512; B] = bs.map(|b| T::load16(a.keys.add((b * a.hd + d) * KEY_BLOCK)));
         for (g, acc) in acc.iter_mut().enumerate() {
@@ -164,19 +170,19 @@ pub(super) fn key_scores_avx2<T: Lanes>(q: &[f32], keys: &[T], hd: usize, visibl
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn scores_avx2<T: Lanes>(a: &Scores<T>, heads: usize) {
-    let blocks = a.visible.div_ceil(KEY_BLOCK);
-    let mut g = 0;
-    while g < heads {
-        // Four heads × two halves of a block: eight chains, and room in sixteen registers for the loads.
-        let h = heads_in_pass(heads - g, 4);
-        for b in 0..blocks {
+    // Blocks outside, heads inside, as in `scores_avx512`.
+    for b in 0..a.visible.div_ceil(KEY_BLOCK) {
+        let mut g = 0;
+        while g < heads {
+            // Four heads × two halves of a block: eight chains, and room in sixteen registers for the loads.
+            let h = heads_in_pass(heads - g, 4);
             match h {
                 4 => block_avx2::<T, 4>(a, g, b),
                 2 => block_avx2::<T, 2>(a, g, b),
                 _ => block_avx2::<T, 1>(a, g, b),
             }
+            g += h;
         }
-        g += h;
     }
 }
 
@@ -186,8 +192,10 @@ unsafe fn block_avx2<T: Lanes, const H: usize>(a: &Scores<T>, g0: usize, b: usiz
     let base = a.keys.add(b * a.hd * KEY_BLOCK);
     for d in 0..a.hd {
         // As in `blocks_avx512`.
-        let ahead = base.wrapping_add((PREFETCH_BLOCKS * a.hd + d) * KEY_BLOCK);
-        _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+        if g0 == 0 {
+            let ahead = base.wrapping_add((PREFETCH_BLOCKS * a.hd + d) * KEY_BLOCK);
+            _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+        }
         let k = [T::load8(base.add(d * KEY_BLOCK)), T::load8(base.add(d * KEY_BLOCK + 8))];
         for (g, acc) in acc.iter_mut().enumerate() {
             let x = _mm256_set1_ps(*a.q.add((g0 + g) * a.hd + d));
@@ -218,19 +226,21 @@ unsafe fn block_avx2<T: Lanes, const H: usize>(a: &Scores<T>, g0: usize, b: usiz
 struct Weighted<T> {
     out: *mut f32,
     w: *const f32,
+    stride: usize,
+    rows: Range<usize>,
     values: *const T,
     hd: usize,
-    visible: usize,
 }
 
 impl<T> Weighted<T> {
-    fn new(out: &mut [f32], w: &[f32], values: &[T], hd: usize) -> Self {
+    fn new(out: &mut [f32], w: &[f32], stride: usize, rows: Range<usize>, values: &[T], hd: usize) -> Self {
         Self {
             out: out.as_mut_ptr(),
             w: w.as_ptr(),
+            stride,
+            rows,
             values: values.as_ptr(),
             hd,
-            visible: w.len() / (out.len() / hd),
         }
     }
 }
@@ -247,24 +257,32 @@ unsafe fn prefetch_row<T>(a: &Weighted<T>, j: usize) {
 }
 
 /// `Isa::weighted_values` with 16-wide registers.
-pub(super) fn weighted_values_avx512<T: Lanes>(out: &mut [f32], w: &[f32], values: &[T], hd: usize) {
+pub(super) fn weighted_values_avx512<T: Lanes>(
+    out: &mut [f32],
+    w: &[f32],
+    stride: usize,
+    rows: Range<usize>,
+    values: &[T],
+    hd: usize,
+) {
     let heads = out.len() / hd;
-    let a = Weighted::new(out, w, values, hd);
+    let a = Weighted::new(out, w, stride, rows.clone(), values, hd);
     // SAFETY: `Isa::Avx512` is only selected after avx512f, avx2, fma and f16c were detected;
-    // `Isa::weighted_values` checked `out` holds `heads` rows of `hd`, `w` a row of `visible` per head, and
-    // `values` `visible` rows of `hd`. Column chunks stay below `hd`; the rest goes element by element.
+    // `Isa::weighted_values` checked `out` holds `heads` rows of `hd`, `w` a row of `stride ≥ rows.end`
+    // weights per head, and `values` `rows.end` rows of `hd`. Column chunks stay below `hd`; the rest goes
+    // element by element.
     unsafe { values_avx512(&a, heads) };
     let wide = hd - hd % 16;
     if wide < hd {
-        super::kv::weighted_values_scalar(out, w, values, hd, wide);
+        super::kv::weighted_values_scalar(out, w, stride, rows, values, hd, wide);
     }
 }
 
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 unsafe fn values_avx512<T: Lanes>(a: &Weighted<T>, heads: usize) {
     let (pairs, wide) = (a.hd - a.hd % 32, a.hd - a.hd % 16);
-    for j0 in (0..a.visible).step_by(VALUE_ROWS) {
-        let j1 = (j0 + VALUE_ROWS).min(a.visible);
+    for j0 in a.rows.clone().step_by(VALUE_ROWS) {
+        let j1 = (j0 + VALUE_ROWS).min(a.rows.end);
         let mut g = 0;
         while g < heads {
             // Eight heads × two registers of columns: sixteen chains.
@@ -308,7 +326,7 @@ unsafe fn cols_avx512<T: Lanes, const H: usize, const C: usize>(
         }
         let x: [__m512; C] = std::array::from_fn(|i| T::load16(row.add(16 * i)));
         for (g, acc) in acc.iter_mut().enumerate() {
-            let p = _mm512_set1_ps(*a.w.add((g0 + g) * a.visible + j));
+            let p = _mm512_set1_ps(*a.w.add((g0 + g) * a.stride + j));
             for (acc, x) in acc.iter_mut().zip(x) {
                 *acc = _mm512_fmadd_ps(p, x, *acc);
             }
@@ -322,23 +340,30 @@ unsafe fn cols_avx512<T: Lanes, const H: usize, const C: usize>(
 }
 
 /// `Isa::weighted_values` with 8-wide registers.
-pub(super) fn weighted_values_avx2<T: Lanes>(out: &mut [f32], w: &[f32], values: &[T], hd: usize) {
+pub(super) fn weighted_values_avx2<T: Lanes>(
+    out: &mut [f32],
+    w: &[f32],
+    stride: usize,
+    rows: Range<usize>,
+    values: &[T],
+    hd: usize,
+) {
     let heads = out.len() / hd;
-    let a = Weighted::new(out, w, values, hd);
+    let a = Weighted::new(out, w, stride, rows.clone(), values, hd);
     // SAFETY: `Isa::Avx2` is only selected after avx2, fma and f16c were detected; bounds as for
     // `weighted_values_avx512`.
     unsafe { values_avx2(&a, heads) };
     let wide = hd - hd % 16;
     if wide < hd {
-        super::kv::weighted_values_scalar(out, w, values, hd, wide);
+        super::kv::weighted_values_scalar(out, w, stride, rows, values, hd, wide);
     }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn values_avx2<T: Lanes>(a: &Weighted<T>, heads: usize) {
     let wide = a.hd - a.hd % 16;
-    for j0 in (0..a.visible).step_by(VALUE_ROWS) {
-        let j1 = (j0 + VALUE_ROWS).min(a.visible);
+    for j0 in a.rows.clone().step_by(VALUE_ROWS) {
+        let j1 = (j0 + VALUE_ROWS).min(a.rows.end);
         let mut g = 0;
         while g < heads {
             // Four heads × two registers of columns: eight chains.
@@ -366,7 +391,7 @@ unsafe fn cols_avx2<T: Lanes, const H: usize>(a: &Weighted<T>, g0: usize, c0: us
         }
         let x = [T::load8(row), T::load8(row.add(8))];
         for (g, acc) in acc.iter_mut().enumerate() {
-            let p = _mm256_set1_ps(*a.w.add((g0 + g) * a.visible + j));
+            let p = _mm256_set1_ps(*a.w.add((g0 + g) * a.stride + j));
             for (acc, x) in acc.iter_mut().zip(x) {
                 *acc = _mm256_fmadd_ps(p, x, *acc);
             }

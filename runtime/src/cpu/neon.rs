@@ -1,6 +1,7 @@
 //! AArch64 NEON kernels.
 
 use std::arch::aarch64::*;
+use std::ops::Range;
 
 use super::kv::{KvElem, KEY_BLOCK};
 
@@ -39,6 +40,7 @@ unsafe fn dot_impl(a: &[f32], b: &[f32]) -> f32 {
 /// What the attention kernels read and write (bounds checked by `Isa::key_scores` / `Isa::weighted_values`).
 struct Attend {
     hd: usize,
+    /// Scores per head row: the visible keys, or the weights' row stride.
     visible: usize,
 }
 
@@ -113,31 +115,35 @@ unsafe fn block_scores<const H: usize>(
 
 /// `Isa::weighted_values` in 4-wide registers: up to four heads × 16 columns per pass over a block of value
 /// rows (f16 rows widened into a buffer first); columns past the last 16 go element by element.
-pub(super) fn weighted_values<T: KvElem>(out: &mut [f32], w: &[f32], values: &[T], hd: usize) {
+pub(super) fn weighted_values<T: KvElem>(
+    out: &mut [f32],
+    w: &[f32],
+    stride: usize,
+    rows: Range<usize>,
+    values: &[T],
+    hd: usize,
+) {
     const ROWS: usize = 64;
     let heads = out.len() / hd;
-    let a = Attend {
-        hd,
-        visible: w.len() / heads,
-    };
+    let a = Attend { hd, visible: stride };
     let wide_cols = hd - hd % 16;
     let mut wide = Vec::new();
-    for j0 in (0..a.visible).step_by(ROWS) {
-        let j1 = (j0 + ROWS).min(a.visible);
-        let rows = widen(&values[j0 * hd..j1 * hd], &mut wide);
+    for j0 in rows.clone().step_by(ROWS) {
+        let j1 = (j0 + ROWS).min(rows.end);
+        let block = widen(&values[j0 * hd..j1 * hd], &mut wide);
         let mut g = 0;
         while g < heads {
             let h = (heads - g).min(4);
             for c in (0..wide_cols).step_by(16) {
-                // SAFETY: `Isa::Neon` is only selected after NEON was detected; `rows` holds rows `j0..j1` of
-                // `hd`, `w` a row of `visible` weights per head, `out` `heads` rows of `hd`, and the columns
+                // SAFETY: `Isa::Neon` is only selected after NEON was detected; `block` holds rows `j0..j1` of
+                // `hd`, `w` a row of `stride ≥ j1` weights per head, `out` `heads` rows of `hd`, and the columns
                 // `c..c + 16` lie below `hd`.
                 unsafe {
                     match h {
-                        4 => value_cols::<4>(&a, out, w, rows, g, c, j0, j1),
-                        3 => value_cols::<3>(&a, out, w, rows, g, c, j0, j1),
-                        2 => value_cols::<2>(&a, out, w, rows, g, c, j0, j1),
-                        _ => value_cols::<1>(&a, out, w, rows, g, c, j0, j1),
+                        4 => value_cols::<4>(&a, out, w, block, g, c, j0, j1),
+                        3 => value_cols::<3>(&a, out, w, block, g, c, j0, j1),
+                        2 => value_cols::<2>(&a, out, w, block, g, c, j0, j1),
+                        _ => value_cols::<1>(&a, out, w, block, g, c, j0, j1),
                     }
                 }
             }
@@ -145,7 +151,7 @@ pub(super) fn weighted_values<T: KvElem>(out: &mut [f32], w: &[f32], values: &[T
         }
     }
     if wide_cols < hd {
-        super::kv::weighted_values_scalar(out, w, values, hd, wide_cols);
+        super::kv::weighted_values_scalar(out, w, stride, rows, values, hd, wide_cols);
     }
 }
 

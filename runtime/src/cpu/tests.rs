@@ -129,6 +129,8 @@ proptest! {
         hd in prop::sample::select(vec![2usize, 8, 16, 40, 64, 128, 136]),
         visible in prop::sample::select(vec![0usize, 1, 3, 15, 16, 17, 39, 63, 64, 65, 130, 200]),
         extra in 0usize..20,
+        pad in 0usize..5,
+        cut in 0f64..1.0,
         f16 in any::<bool>(),
         seed in 0u32..1000,
     ) {
@@ -141,18 +143,23 @@ proptest! {
             cache.push(&row(0), &row(1 << 20));
         }
         let q: Vec<f32> = (0..heads * hd).map(|i| val(i + 7)).collect();
-        let w: Vec<f32> = (0..heads * visible).map(|i| val(i + 11)).collect();
+        // Weight rows `stride` apart, longer than the rows summed.
+        let stride = visible + pad;
+        let w: Vec<f32> = (0..heads * stride).map(|i| val(i + 11)).collect();
         let start: Vec<f32> = (0..heads * hd).map(|i| val(i + 13)).collect();
         let (mut want_s, mut want_o) = (vec![0f32; heads * visible], start.clone());
         Isa::Scalar.key_scores(&q, cache.keys(), hd, visible, 0.125, &mut want_s);
-        Isa::Scalar.weighted_values(&mut want_o, &w, cache.values(), hd);
+        Isa::Scalar.weighted_values(&mut want_o, &w, stride, 0..visible, cache.values(), hd);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        // The rows in two calls: the chains carry on where the first call left them.
+        let cut = (cut * visible as f64) as usize;
         for isa in Isa::available() {
             let (mut s, mut o) = (vec![0f32; heads * visible], start.clone());
             isa.key_scores(&q, cache.keys(), hd, visible, 0.125, &mut s);
-            isa.weighted_values(&mut o, &w, cache.values(), hd);
+            isa.weighted_values(&mut o, &w, stride, 0..cut, cache.values(), hd);
+            isa.weighted_values(&mut o, &w, stride, cut..visible, cache.values(), hd);
             prop_assert_eq!(bits(&s), bits(&want_s), "{:?} scores", isa);
-            prop_assert_eq!(bits(&o), bits(&want_o), "{:?} weighted values", isa);
+            prop_assert_eq!(bits(&o), bits(&want_o), "{:?} weighted values, cut at {}", isa, cut);
         }
     }
 
@@ -175,7 +182,7 @@ proptest! {
             let mut s = vec![0f32; heads * visible];
             isa.key_scores(&q, cache.keys(), hd, visible, 0.5, &mut s);
             let mut o = vec![0f32; heads * hd];
-            isa.weighted_values(&mut o, &w, cache.values(), hd);
+            isa.weighted_values(&mut o, &w, visible, 0..visible, cache.values(), hd);
             for g in 0..heads {
                 for j in 0..visible {
                     let want: f64 = (0..hd).map(|d| q[g * hd + d] as f64 * ks[j * hd + d] as f64).sum::<f64>() * 0.5;
