@@ -22,21 +22,35 @@ case $PRESET in
   *) echo "unknown preset $PRESET"; exit 1 ;;
 esac
 MLX="$M/$NAME-mlx"; GGUF="$M/$NAME-q4_0.gguf"
-[ -f "$MLX/config.json" ] && [ -f "$GGUF" ] || "$PY" "$PEERS/make_medium_model.py" "${GEN[@]}" --mlx-out "$MLX" --gguf-out "$GGUF"
+gen() { "$PY" "$PEERS/make_medium_model.py" "${GEN[@]}" --mlx-out "$MLX" --gguf-out "$GGUF" "$@"; }
+# Both formats of `large` take 58 GB. Where the disk has less room than both plus a margin, each format is
+# written just before its runs and the other deleted first: the generator is seeded, so the weights are the
+# same as when both are written at once.
+ONE_AT_A_TIME=0
+if ! { [ -f "$MLX/config.json" ] && [ -f "$GGUF" ]; }; then
+  need=$([ "$PRESET" = large ] && echo 64 || echo 12)
+  free=$(df --output=avail -BG "$M" | tail -1 | tr -dc 0-9)
+  if [ "$free" -ge "$need" ]; then gen; else ONE_AT_A_TIME=1; echo "note: ${free} GB free, under ${need}: one format at a time" >&2; fi
+fi
+want_gguf() { [ "$ONE_AT_A_TIME" = 1 ] && [ ! -f "$GGUF" ] && { rm -rf "$MLX"; gen --no-mlx; }; return 0; }
+want_mlx() { [ "$ONE_AT_A_TIME" = 1 ] && [ ! -f "$MLX/config.json" ] && { rm -f "$GGUF"; gen --no-gguf; }; return 0; }
 OUT="$R/$NAME-$(date +%Y%m%dT%H%M)"; mkdir -p "$OUT"
 drop() { sync; echo 3 > /proc/sys/vm/drop_caches; }
 quiet() { local a b; for _ in $(seq 60); do a=($(head -1 /proc/stat)); sleep 2; b=($(head -1 /proc/stat))
   local t=0 i; for i in 1 2 3 4 5 6 7 8; do t=$((t + b[i] - a[i])); done
   [ $(( (b[4] - a[4]) * 100 / t )) -ge 90 ] && return; done; echo "warning: machine not idle" >&2; }
+want_gguf
 if [ "$PRESET" = medium ]; then
   quiet; "$LLAMA_BIN/llama-bench" -m "$GGUF" -t "$(nproc)" -p 512 -n 64 -r 3 -o json > "$OUT/llama.json"
   quiet; "$LLAMA_BIN/llama-bench" -m "$GGUF" -t "$(nproc)" -p 0 -n 32 -d 512 -r 2 -o json > "$OUT/llama-d512.json"
+  want_mlx
   quiet; "$SLUICE" bench -m "$MLX" -p 16 -n 64 --runs warm --json ${SLUICE_FLAGS:-} > "$OUT/sluice.json"
   quiet; "$SLUICE" bench -m "$MLX" -p 512 -n 32 --runs warm --json ${SLUICE_FLAGS:-} > "$OUT/sluice-d512.json"
 else
   # llama.cpp cannot repack (copy) 29 GB into 24 GB of RAM: weights stay in the mmap
   quiet; drop; "$LLAMA_BIN/llama-bench" -m "$GGUF" -t "$(nproc)" -p 0 -n 32 -r 1 --repack 0 -o json > "$OUT/llama.json"
   "$LLAMA_BIN/llama-bench" -m "$GGUF" -t "$(nproc)" -p 0 -n 32 -r 1 --repack 0 -o json > "$OUT/llama-warm.json"
+  want_mlx
   quiet; drop; "$SLUICE" bench -m "$MLX" -p 16 -n 32 --runs both --json ${SLUICE_FLAGS:-} > "$OUT/sluice.json"
 fi
 "$PY" - "$OUT" "$PRESET" <<'PY'
