@@ -2,9 +2,11 @@
 //! a byte budget, served to the decode step as they arrive.
 //!
 //! Invariants:
-//! - Slots are allocated once, at start. A slot is written only by the I/O thread that exclusively owns it
-//!   (`Arc::get_mut` proves nobody else holds it); a slot whose record is still referenced by a
-//!   computation (an [`ExpertRecord`] clone keeps the `Arc` alive) is never chosen for eviction.
+//! - Slots are allocated once, at start; a background thread backs them with memory in the order the free
+//!   list hands them out (without writing them), so first reads do not stop to fault pages in. A slot is
+//!   written only by the I/O thread that exclusively owns it (`Arc::get_mut` proves nobody else holds it); a
+//!   slot whose record is still referenced by a computation (an [`ExpertRecord`] clone keeps the `Arc`
+//!   alive) is never chosen for eviction.
 //! - Demand reads are queued ahead of prefetches; a prefetch a step turns out to need is promoted.
 //! - Prefetches are read nearest layer first, counting forward (cyclically) from the layer last fetched: a
 //!   guess for the next layer goes before a guess for the one after, whatever order the guesses came in.
@@ -27,6 +29,7 @@
 //!   fetches, shares the first request's read (a second read would replace the entry and lose a slot).
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -34,7 +37,7 @@ use std::time::Instant;
 
 use lru::LruCache;
 
-use crate::aligned::SlotBuf;
+use crate::aligned::{Prefault, SlotBuf};
 use crate::counters::StoreCounters;
 use crate::experts::{ExpertFetch, ExpertRecord, ExpertSource};
 use crate::layout::{read_full, RecordLayout, RecordTable};
@@ -235,6 +238,8 @@ struct Inner {
     work: Condvar,
     counters: Arc<StoreCounters>,
     verify: bool,
+    /// Set when the engine is dropped: the prefault pass stops between slots.
+    stopping: AtomicBool,
     slots: usize,
     slot_len: usize,
     /// Times a fetch blocked waiting for a read to land.
@@ -276,6 +281,8 @@ impl StreamingSource {
             .into_iter()
             .map(Arc::new)
             .collect();
+        // The free list hands out slots from its end: back them with memory in that order.
+        let prefault = Prefault::new(free.iter().rev().map(|b| &**b));
         let inner = Arc::new(Inner {
             table,
             state: Mutex::new(State {
@@ -290,6 +297,7 @@ impl StreamingSource {
             work: Condvar::new(),
             counters: Arc::new(StoreCounters::default()),
             verify: opts.verify,
+            stopping: AtomicBool::new(false),
             slots,
             slot_len,
             #[cfg(test)]
@@ -304,7 +312,18 @@ impl StreamingSource {
                     .map_err(|e| StoreError::Engine(format!("cannot start I/O thread: {e}")))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(Self { inner, workers })
+        let mut engine = Self { inner, workers };
+        if let Some(pass) = prefault {
+            let inner = Arc::clone(&engine.inner);
+            // Without this thread the slots still fault in on first read, only slower: nothing to report.
+            if let Ok(h) = std::thread::Builder::new()
+                .name("sluice-prefault".into())
+                .spawn(move || inner.prefault(&pass))
+            {
+                engine.workers.push(h);
+            }
+        }
+        Ok(engine)
     }
 
     /// Number of slots and bytes per slot.
@@ -387,6 +406,7 @@ impl StreamingSource {
 
 impl Drop for StreamingSource {
     fn drop(&mut self) {
+        self.inner.stopping.store(true, Relaxed);
         lock(&self.inner.queue).shutdown = true;
         self.inner.work.notify_all();
         for w in self.workers.drain(..) {
@@ -493,6 +513,18 @@ impl Inner {
                 q.demand.push_back(job);
             }
         }
+    }
+
+    /// Backs the slots with memory ahead of the reads that will fill them (see [`Prefault`]).
+    fn prefault(&self, pass: &Prefault) {
+        let started = Instant::now();
+        let bytes = pass.run(&self.stopping);
+        let secs = started.elapsed().as_secs_f64();
+        tracing::debug!(
+            "backed {:.2} GB of expert slots with memory in {secs:.2} s ({:.2} GB/s)",
+            bytes as f64 / 1e9,
+            bytes as f64 / 1e9 / secs.max(1e-9)
+        );
     }
 
     fn worker(&self) {

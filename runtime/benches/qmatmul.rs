@@ -1,7 +1,9 @@
 //! Quantized matmul throughput against this machine's own DRAM read bandwidth, measured in the same run.
 //!
 //! `cargo bench -p sluice-runtime --bench qmatmul` (add `-- --quick` for a shorter run). Decode (one token) is
-//! bound by streaming weight bytes, so its figure is weight GB/s and the ratio to the DRAM probe; prefill
+//! bound by streaming weight bytes, so its figure is weight GB/s and the ratio to the DRAM probe, once with each
+//! matrix split across the threads (as attention's projections run) and once with whole matrices per thread
+//! (as a layer's experts run); prefill
 //! reuses each unpacked row across tokens, so its figure is GFLOP/s. With the int8 kernels on a CPU that has
 //! the tiled kernel (AVX-512 VNNI), a last row measures the same matrices repacked into tiles.
 
@@ -124,6 +126,22 @@ impl Run {
         }
         let secs = t.elapsed().as_secs_f64();
         let gbps = (passes * count * self.bytes_per) as f64 / secs / 1e9;
+        // As decode runs a layer's experts: eight at a time, each expert's three matrices one after another on one
+        // thread, with no split of a matrix across threads (a split costs each matrix a fork and a join).
+        let t = Instant::now();
+        for _ in 0..passes {
+            for layer in mats.chunks(24) {
+                let experts: Vec<&[MatRef<'_>]> = layer.chunks(3).collect();
+                sluice_runtime::threads::parallel_map(&experts, |expert| {
+                    let mut y = vec![0f32; rows];
+                    for m in expert.iter() {
+                        sluice_runtime::cpu::matmul_many(isa, std::slice::from_ref(m), &x, 1, &mut [&mut y[..]], false);
+                    }
+                    black_box(&y);
+                });
+            }
+        }
+        let whole = (passes * count * self.bytes_per) as f64 / t.elapsed().as_secs_f64() / 1e9;
         let n = 32;
         let xs: Vec<f32> = (0..n * cols).map(|i| (i as f32 * 0.01).sin()).collect();
         let mut ys = vec![0f32; n * rows];
@@ -134,8 +152,10 @@ impl Run {
         }
         let gflops = (32.min(count) * 2 * n * rows * cols) as f64 / t.elapsed().as_secs_f64() / 1e9;
         println!(
-            "{name}: decode {gbps:.2} GB/s of weights = {:.1}% of DRAM | prefill (32 tokens) {gflops:.1} GFLOP/s",
-            100.0 * gbps / self.dram
+            "{name}: decode {gbps:.2} GB/s of weights = {:.1}% of DRAM (whole matrices per thread, as decode's experts: \
+             {whole:.2} GB/s = {:.1}%) | prefill (32 tokens) {gflops:.1} GFLOP/s",
+            100.0 * gbps / self.dram,
+            100.0 * whole / self.dram
         );
     }
 }

@@ -83,3 +83,10 @@ pub(super) fn advise_huge_pages(ptr: NonNull<c_void>, len: usize) {
     // the kernel backs it. Failure (THP disabled) is harmless.
     let _ = unsafe { nix::sys::mman::madvise(ptr, len, nix::sys::mman::MmapAdvise::MADV_HUGEPAGE) };
 }
+
+pub(super) fn populate(ptr: NonNull<c_void>, len: usize) -> bool {
+    // SAFETY: MADV_POPULATE_WRITE (Linux 5.14+) only faults pages in, zero-filled where absent, and never
+    // changes a present page's bytes, so it is sound over memory other threads are writing. Older kernels
+    // refuse it with EINVAL.
+    unsafe { nix::libc::madvise(ptr.as_ptr(), len, nix::libc::MADV_POPULATE_WRITE) == 0 }
+}

@@ -161,3 +161,8 @@ pub(super) fn set_cached(file: &File) -> io::Result<()> {
 pub(super) fn advise_huge_pages(_ptr: NonNull<c_void>, _len: usize) {
     // Apple Silicon pages are already 16 KiB and macOS offers no transparent huge pages for user mappings.
 }
+
+pub(super) fn populate(_ptr: NonNull<c_void>, _len: usize) -> bool {
+    // macOS has no advice that backs pages without writing them; they fault in on first touch, as before.
+    false
+}

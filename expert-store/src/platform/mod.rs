@@ -1,6 +1,6 @@
 //! Every OS-specific call sluice makes, for Linux and macOS side by side: memory facts (total, available,
 //! resident, the GPU's working-set limit), uncached file I/O, dropping a file's cached pages, and the slot
-//! arena's anonymous mapping. The rest of the code asks these questions and never reads `/proc`, calls
+//! arena's anonymous mapping and its backing ahead of use. The rest of the code asks these questions and never reads `/proc`, calls
 //! `sysctl` or sets file flags itself.
 //!
 //! The arithmetic that turns the OS's raw numbers into answers is plain functions at the top of this file,
@@ -182,6 +182,13 @@ pub fn map_zeroed(len: usize) -> Option<NonNull<u8>> {
     .ok()?;
     os::advise_huge_pages(ptr, len.get());
     Some(ptr.cast())
+}
+
+/// Backs `len` bytes at `ptr` (page-aligned, inside a [`map_zeroed`] mapping) with memory now, leaving every
+/// byte as it is, so a later first write does not stop to fault and zero pages; false where the OS cannot
+/// (the pages then fault in on first touch as usual).
+pub fn populate(ptr: NonNull<u8>, len: usize) -> bool {
+    os::populate(ptr.cast(), len)
 }
 
 /// Unmaps a mapping made by [`map_zeroed`].

@@ -43,3 +43,7 @@ pub(super) fn set_cached(_file: &File) -> io::Result<()> {
 }
 
 pub(super) fn advise_huge_pages(_ptr: NonNull<c_void>, _len: usize) {}
+
+pub(super) fn populate(_ptr: NonNull<c_void>, _len: usize) -> bool {
+    false
+}
