@@ -54,6 +54,10 @@ pub struct EngineOptions {
     pub io_depth: usize,
     /// Check each packed record's checksum after reading it.
     pub verify: bool,
+    /// Back every slot with memory from the start, in the background (else slots fault in on first read).
+    /// Only for a budget the machine has room for: backing an overcommitted one would push out other memory
+    /// at once instead of when the cache fills.
+    pub prefault: bool,
 }
 
 impl Default for EngineOptions {
@@ -62,6 +66,7 @@ impl Default for EngineOptions {
             cache_bytes: 1 << 30,
             io_depth: 8,
             verify: true,
+            prefault: true,
         }
     }
 }
@@ -282,7 +287,7 @@ impl StreamingSource {
             .map(Arc::new)
             .collect();
         // The free list hands out slots from its end: back them with memory in that order.
-        let prefault = Prefault::new(free.iter().rev().map(|b| &**b));
+        let prefault = Prefault::new(free.iter().rev().map(|b| &**b)).filter(|_| opts.prefault);
         let inner = Arc::new(Inner {
             table,
             state: Mutex::new(State {

@@ -308,6 +308,7 @@ mod tests {
                         cache_bytes: slots * crate::SLOT_ALIGN as u64,
                         io_depth: depth,
                         verify: true,
+                        prefault: depth == 1,
                     };
                     let tables = [
                         RecordTable::in_place(&ck, std::slice::from_ref(&layout), direct).unwrap(),

@@ -101,6 +101,8 @@ pub(crate) fn open_source(
             cache_bytes,
             io_depth: opts.io_depth,
             verify: opts.verify,
+            // An explicit `--expert-cache` beyond the machine's room stays lazy (see the option).
+            prefault: plan.fits(),
         },
     )?;
     let (slots, slot_len) = engine.slots();

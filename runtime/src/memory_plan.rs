@@ -13,7 +13,8 @@
 //! - `--experts auto` keeps every expert resident when they fit in that room, else streams them.
 //! - A **draft model** and a **prefix cache** take their bytes off the room too (none exist yet).
 //! - The streamed **expert cache** (slots under a hard budget) is `--expert-cache` when given, else the
-//!   whole room for experts (at least 256 MiB, at most the experts themselves).
+//!   whole room for experts (at least 256 MiB, at most the experts themselves). When the plan fits the
+//!   limit, the slots are backed with memory from the start; an overcommitted one stays lazy.
 //! - **Reads** (`--io auto`) bypass the OS page cache when streaming into a cache of at least half the
 //!   room (always so by default): the page cache would then have less room than the slots and would mostly
 //!   hold copies of records already in them, and every buffered read costs an extra copy. With a smaller
@@ -226,6 +227,11 @@ impl MemoryPlan {
             + self.prefix_cache
             + self.margin
     }
+
+    /// Whether every budget fits in the limit (an explicit `--expert-cache` may overcommit the machine).
+    pub fn fits(&self) -> bool {
+        self.total() <= self.limit
+    }
 }
 
 fn gib(b: u64) -> String {
@@ -380,6 +386,13 @@ mod tests {
         };
         let p = MemoryPlan::new(machine, small, &req);
         assert_eq!((p.placement, p.expert_cache), (ExpertPlacement::Stream, 3 * GIB));
+        assert!(p.fits() && MemoryPlan::new(machine, small, &PlanRequest::default()).fits());
+        // A cache beyond the machine's room is kept as given, and the plan says it does not fit.
+        let over = PlanRequest {
+            cache_bytes: Some(64 * GIB),
+            ..Default::default()
+        };
+        assert!(!MemoryPlan::new(machine, small, &over).fits());
         // ... and leaves the page cache more room than the slots: it is the second tier, reads go through it.
         assert!(!p.direct_io);
         for (io, direct) in [(IoMode::Direct, true), (IoMode::Buffered, false)] {

@@ -153,6 +153,7 @@ fn options(cache_bytes: u64, io_depth: usize) -> EngineOptions {
         cache_bytes,
         io_depth,
         verify: true,
+        prefault: true,
     }
 }
 
