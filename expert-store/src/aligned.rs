@@ -3,7 +3,6 @@
 //! streams are not cut at every 4 KiB page), split into disjoint fixed-size slots.
 
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 /// Alignment of every slot: Apple's 16 KiB page, a multiple of the 4 KiB O_DIRECT block.
@@ -99,12 +98,12 @@ impl Prefault {
         Some(Self { arena: arena?, ranges })
     }
 
-    /// Backs each slot in turn until all are done or `stop` is set; returns the bytes backed (0 where the OS
-    /// cannot back memory without writing it).
-    pub fn run(&self, stop: &AtomicBool) -> usize {
+    /// Backs each slot in turn until all are done or `stop()` says so (asked before each slot); returns the
+    /// bytes backed (0 where the OS cannot back memory without writing it).
+    pub fn run(&self, stop: impl Fn() -> bool) -> usize {
         let mut done = 0;
         for &(offset, len) in &self.ranges {
-            if stop.load(Ordering::Relaxed) {
+            if stop() {
                 break;
             }
             // SAFETY: `offset..offset + len` lies inside the arena (checked at allocation), which `self.arena`
@@ -149,14 +148,14 @@ mod tests {
         let mut slots = SlotBuf::allocate(4, SLOT_ALIGN * 3).unwrap();
         slots[1].as_mut_slice().fill(7);
         let pass = Prefault::new(slots.iter().rev()).unwrap();
-        let backed = pass.run(&AtomicBool::new(false));
+        let backed = pass.run(|| false);
         // Linux 5.14+ backs every slot; older kernels and other systems back none.
         assert!(backed == 0 || backed == 4 * SLOT_ALIGN * 3, "{backed}");
         for (i, s) in slots.iter().enumerate() {
             let want = if i == 1 { 7 } else { 0 };
             assert!(s.as_ref().iter().all(|&x| x == want), "slot {i}");
         }
-        assert_eq!(pass.run(&AtomicBool::new(true)), 0, "a stopped pass backs nothing");
+        assert_eq!(pass.run(|| true), 0, "a stopped pass backs nothing");
         let other = SlotBuf::allocate(1, 10).unwrap();
         assert!(Prefault::new([&slots[0], &other[0]]).is_none());
         assert!(Prefault::new([]).is_none());

@@ -29,7 +29,6 @@
 //!   fetches, shares the first request's read (a second read would replace the entry and lose a slot).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -243,8 +242,6 @@ struct Inner {
     work: Condvar,
     counters: Arc<StoreCounters>,
     verify: bool,
-    /// Set when the engine is dropped: the prefault pass stops between slots.
-    stopping: AtomicBool,
     slots: usize,
     slot_len: usize,
     /// Times a fetch blocked waiting for a read to land.
@@ -287,7 +284,11 @@ impl StreamingSource {
             .map(Arc::new)
             .collect();
         // The free list hands out slots from its end: back them with memory in that order.
-        let prefault = Prefault::new(free.iter().rev().map(|b| &**b)).filter(|_| opts.prefault);
+        let prefault = if opts.prefault {
+            Prefault::new(free.iter().rev().map(|b| &**b))
+        } else {
+            None
+        };
         let inner = Arc::new(Inner {
             table,
             state: Mutex::new(State {
@@ -302,7 +303,6 @@ impl StreamingSource {
             work: Condvar::new(),
             counters: Arc::new(StoreCounters::default()),
             verify: opts.verify,
-            stopping: AtomicBool::new(false),
             slots,
             slot_len,
             #[cfg(test)]
@@ -411,7 +411,6 @@ impl StreamingSource {
 
 impl Drop for StreamingSource {
     fn drop(&mut self) {
-        self.inner.stopping.store(true, Relaxed);
         lock(&self.inner.queue).shutdown = true;
         self.inner.work.notify_all();
         for w in self.workers.drain(..) {
@@ -523,7 +522,8 @@ impl Inner {
     /// Backs the slots with memory ahead of the reads that will fill them (see [`Prefault`]).
     fn prefault(&self, pass: &Prefault) {
         let started = Instant::now();
-        let bytes = pass.run(&self.stopping);
+        // Stops between slots once the engine is dropped.
+        let bytes = pass.run(|| lock(&self.queue).shutdown);
         let secs = started.elapsed().as_secs_f64();
         tracing::debug!(
             "backed {:.2} GB of expert slots with memory in {secs:.2} s ({:.2} GB/s)",

@@ -308,6 +308,7 @@ mod tests {
                         cache_bytes: slots * crate::SLOT_ALIGN as u64,
                         io_depth: depth,
                         verify: true,
+                        // Engines with and without the background prefault must serve the same bytes.
                         prefault: depth == 1,
                     };
                     let tables = [

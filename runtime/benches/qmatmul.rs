@@ -3,9 +3,9 @@
 //! `cargo bench -p sluice-runtime --bench qmatmul` (add `-- --quick` for a shorter run). Decode (one token) is
 //! bound by streaming weight bytes, so its figure is weight GB/s and the ratio to the DRAM probe, once with each
 //! matrix split across the threads (as attention's projections run) and once with whole matrices per thread
-//! (as a layer's experts run); prefill
-//! reuses each unpacked row across tokens, so its figure is GFLOP/s. With the int8 kernels on a CPU that has
-//! the tiled kernel (AVX-512 VNNI), a last row measures the same matrices repacked into tiles.
+//! (as a layer's experts run); prefill reuses each unpacked row across tokens, so its figure is GFLOP/s. With
+//! the int8 kernels on a CPU that has the tiled kernel (AVX-512 VNNI), a last row measures the same matrices
+//! repacked into tiles.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
