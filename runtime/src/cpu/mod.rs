@@ -484,9 +484,9 @@ pub fn matmul_many(isa: Isa, mats: &[MatRef<'_>], x: &[f32], n: usize, ys: &mut 
         let pieces = (m.rows() * m.cols() * target)
             .div_ceil(total.max(1))
             .clamp(1, m.rows().max(1));
-        // A tiled matrix splits at whole tiles.
+        // A tiled matrix splits at whole panels (each task's tiles then lie as a matrix of its rows would).
         let align = if matches!(m, MatRef::Tiled(_)) {
-            tiled::TILE_ROWS
+            tiled::PANEL_ROWS
         } else {
             1
         };
@@ -588,10 +588,11 @@ pub fn group_sums(x: &[f32], group: usize) -> Vec<f32> {
         .collect()
 }
 
-/// A task's rows of a tiled matrix (from `first`, a multiple of the tile height) with the int8 kernel.
+/// A task's rows of a tiled matrix (from `first`, a multiple of the panel height) with the int8 kernel.
 #[cfg(target_arch = "x86_64")]
 fn tiled_task(m: &TiledMatrix<'_>, acts: &q8::QuantActs, c: &RowCtx<'_>, first: usize, n: usize, chunk: &mut [f32]) {
     let rows = chunk.len() / n;
+    assert!(first.is_multiple_of(tiled::PANEL_ROWS), "a task starts at a panel");
     let tile_bytes = tiled::tiled_len(tiled::TILE_ROWS, m.cols, m.group, m.scale_type);
     let (blocks, groups) = (m.cols / 32, m.cols / m.group);
     let mut t = 0;

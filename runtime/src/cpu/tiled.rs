@@ -3,15 +3,24 @@
 //! activation block. The float work (block scale × group scale, accumulate) is then one vector op per 16 rows
 //! and block, where MLX's row-major layout needs one per row and 128 columns.
 //!
-//! Layout, tile by tile (rows `16t .. 16t+16`; a short last tile is padded with zero rows), group by group:
-//! the tile's 16 scales, its 16 biases (in the stored float type), then for each 32-column block of the group
-//! 256 bytes of codes: 64-byte vector `k` (0..4) holds, in bytes `4l .. 4l+4` (lane `l`, row `16t + l`), the
-//! codes of columns `4k + j` (low nibbles) and `16 + 4k + j` (high nibbles) of the block.
+//! Layout: tiles (rows `16t .. 16t+16`; a short last tile is padded with zero rows) come in panels of four
+//! (64 rows; the last panel may have fewer tiles), and a panel is stored group by group, its tiles side by
+//! side: group 0 of tiles 0..4, then group 1 of tiles 0..4, and so on. A kernel reading a panel's four tiles
+//! together then reads one sequential stream per matrix, which the hardware prefetchers follow from panel to
+//! panel, instead of four short streams that each start cold (measured on an AMD EPYC: 10–30% more weight
+//! bytes per second). One tile's group is its 16 scales, its 16 biases (in the stored float type), then for
+//! each 32-column block of the group 256 bytes of codes: 64-byte vector `k` (0..4) holds, in bytes
+//! `4l .. 4l+4` (lane `l`, row `16t + l`), the codes of columns `4k + j` (low nibbles) and `16 + 4k + j`
+//! (high nibbles) of the block.
 
 use super::{FloatType, QuantMatrix};
 
 /// Rows per tile.
 pub const TILE_ROWS: usize = 16;
+/// Tiles per panel.
+pub const PANEL_TILES: usize = 4;
+/// Rows per panel: where a tiled matrix may be split between threads.
+pub const PANEL_ROWS: usize = PANEL_TILES * TILE_ROWS;
 /// Columns per block (one activation quantization block).
 const BLOCK: usize = 32;
 /// Code bytes per tile and block.
@@ -42,6 +51,14 @@ pub fn tiled_len(rows: usize, cols: usize, group: usize, scale_type: FloatType) 
     rows.div_ceil(TILE_ROWS) * (cols / group) * group_bytes(group, scale_type)
 }
 
+/// Where group `g` of tile `t` starts in a matrix of `tiles` tiles with `groups` groups of `gb` bytes, and
+/// the distance from one group of that tile to its next (its panel's tiles side by side).
+pub fn tile_group_at(tiles: usize, groups: usize, gb: usize, t: usize, g: usize) -> (usize, usize) {
+    let first = t - t % PANEL_TILES;
+    let stride = (tiles - first).min(PANEL_TILES) * gb;
+    (first * groups * gb + g * stride + (t - first) * gb, stride)
+}
+
 /// Whether `q` can be tiled: 4-bit, groups of whole blocks, whole groups per row.
 pub fn can_tile(q: &QuantMatrix<'_>) -> bool {
     tiles(q.bits, q.group, q.cols)
@@ -67,7 +84,8 @@ pub fn tile_into(q: &QuantMatrix<'_>, out: &mut [u8]) -> bool {
     let size = q.scale_type.size();
     let (groups, gb) = (q.cols / q.group, group_bytes(q.group, q.scale_type));
     let row_bytes = q.cols / 2;
-    for (t, tile) in out.chunks_mut(groups * gb).enumerate() {
+    let tiles = q.rows.div_ceil(TILE_ROWS);
+    for t in 0..tiles {
         // The tile's rows of codes, scales and biases; padding rows are empty (they tile as zeros).
         let rows = |part, len| tile_rows(part, t * TILE_ROWS, q.rows, len);
         let (codes, scales, biases) = (
@@ -75,8 +93,9 @@ pub fn tile_into(q: &QuantMatrix<'_>, out: &mut [u8]) -> bool {
             rows(q.scales, groups * size),
             rows(q.biases, groups * size),
         );
-        for (g, dst) in tile.chunks_mut(gb).enumerate() {
-            let (params, dst) = dst.split_at_mut(2 * TILE_ROWS * size);
+        for g in 0..groups {
+            let at = tile_group_at(tiles, groups, gb, t, g).0;
+            let (params, dst) = out[at..at + gb].split_at_mut(2 * TILE_ROWS * size);
             let (s, b) = params.split_at_mut(TILE_ROWS * size);
             match size {
                 2 => (copy_params::<2>(&scales, g, s), copy_params::<2>(&biases, g, b)),
@@ -158,10 +177,11 @@ impl TiledMatrix<'_> {
     /// Row `r` dequantized to f32 (`out.len() == cols`).
     pub fn row(&self, r: usize, out: &mut [f32]) {
         let (size, gb) = (self.scale_type.size(), group_bytes(self.group, self.scale_type));
-        let tile = &self.data[r / TILE_ROWS * (self.cols / self.group) * gb..];
+        let (tiles, groups) = (self.rows.div_ceil(TILE_ROWS), self.cols / self.group);
         let l = r % TILE_ROWS;
         for (g, dst) in out.chunks_mut(self.group).enumerate() {
-            let grp = &tile[g * gb..(g + 1) * gb];
+            let at = tile_group_at(tiles, groups, gb, r / TILE_ROWS, g).0;
+            let grp = &self.data[at..at + gb];
             let s = self.scale_type.get(grp, l);
             let b = self.scale_type.get(grp, TILE_ROWS + l);
             let codes = &grp[2 * TILE_ROWS * size..];
@@ -196,11 +216,39 @@ mod tests {
     }
 
     #[test]
+    fn every_tile_group_has_its_own_bytes() {
+        let gb = 64;
+        for (tiles, groups) in [(1, 1), (4, 3), (5, 2), (11, 4), (8, 1), (7, 5)] {
+            let mut owner = vec![usize::MAX; tiles * groups * gb];
+            for t in 0..tiles {
+                for g in 0..groups {
+                    let (at, stride) = tile_group_at(tiles, groups, gb, t, g);
+                    assert!(
+                        owner[at..at + gb].iter().all(|&o| o == usize::MAX),
+                        "{tiles}×{groups}: overlap"
+                    );
+                    owner[at..at + gb].fill(t * groups + g);
+                    // A group's next one is `stride` further on, and a panel's tiles sit side by side.
+                    if g + 1 < groups {
+                        assert_eq!(tile_group_at(tiles, groups, gb, t, g + 1).0, at + stride);
+                    }
+                    if t % PANEL_TILES > 0 {
+                        assert_eq!(tile_group_at(tiles, groups, gb, t - 1, g).0 + gb, at);
+                    }
+                }
+            }
+            assert!(owner.iter().all(|&o| o != usize::MAX), "{tiles}×{groups}: a gap");
+        }
+    }
+
+    #[test]
     fn a_tiled_matrix_dequantizes_to_the_same_rows() {
         for &(rows, cols, group, st) in &[
             (16usize, 64usize, 64usize, FloatType::BF16),
             (37, 256, 32, FloatType::F16),
             (5, 128, 128, FloatType::F32),
+            // Two panels, the second of one tile.
+            (80, 64, 32, FloatType::BF16),
         ] {
             let codes: Vec<u32> = (0..rows * cols).map(|i| ((i * 7 + i / 5) % 16) as u32).collect();
             let s: Vec<f32> = (0..rows * cols / group).map(|i| 0.01 * i as f32 - 0.3).collect();

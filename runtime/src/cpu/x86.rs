@@ -807,9 +807,6 @@ pub(super) struct TiledArgs<'a> {
     pub xsum: &'a [f32],
 }
 
-/// Tiles one token's pass reads side by side.
-const TILES_PER_PASS: usize = 4;
-
 /// `out[r·ostride + t]` for each row `r < a.rows` and token `t < a.tokens`, on tiled codes: per tile, group and
 /// 32-column block, each lane of `vpdpbusd` sums one row's block (eight dot products of 4 bytes), then one
 /// multiply-add per 16 rows applies group scale × block scale; `Σ bias·Σx` is added at the end. Up to four
@@ -834,6 +831,7 @@ pub(super) fn q4_tiled_rows(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) 
         "output bounds"
     );
     assert!(super::q8::vnni_available(), "AVX-512 VNNI");
+    use super::tiled::PANEL_TILES;
     use super::FloatType as F;
     // SAFETY: AVX-512 F/BW/VL/VNNI detected above; the asserts bound every read (tiles of `rows`, `tokens`
     // rows of activations, block scales and group sums) and every write (row < rows, token < tokens at
@@ -853,9 +851,9 @@ pub(super) fn q4_tiled_rows(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) 
                         ..*a
                     };
                     match ty {
-                        F::F32 => q4_tiled::<TY_F32, 1, TILES_PER_PASS>(&one, &mut out[t..], ostride),
-                        F::F16 => q4_tiled::<TY_F16, 1, TILES_PER_PASS>(&one, &mut out[t..], ostride),
-                        F::BF16 => q4_tiled::<TY_BF16, 1, TILES_PER_PASS>(&one, &mut out[t..], ostride),
+                        F::F32 => q4_tiled::<TY_F32, 1, PANEL_TILES>(&one, &mut out[t..], ostride),
+                        F::F16 => q4_tiled::<TY_F16, 1, PANEL_TILES>(&one, &mut out[t..], ostride),
+                        F::BF16 => q4_tiled::<TY_BF16, 1, PANEL_TILES>(&one, &mut out[t..], ostride),
                     }
                 }
             }
@@ -865,31 +863,44 @@ pub(super) fn q4_tiled_rows(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) 
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn q4_tiled<const TY: u8, const T: usize, const P: usize>(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) {
-    let tiles = a.rows.div_ceil(super::tiled::TILE_ROWS);
+    use super::tiled::{group_bytes, tile_group_at, TILE_ROWS};
+    let tiles = a.rows.div_ceil(TILE_ROWS);
+    let (groups, gb) = (a.cols / a.group, group_bytes(a.group, a.ty));
     let mut tile = 0;
-    while tile + P <= tiles {
-        q4_tiles::<TY, T, P>(a, out, ostride, tile);
-        tile += P;
-    }
-    // The rest two, then one at a time (P = 4 leaves up to three).
-    if P > 2 && tile + 2 <= tiles {
-        q4_tiles::<TY, T, 2>(a, out, ostride, tile);
-        tile += 2;
-    }
     while tile < tiles {
-        q4_tiles::<TY, T, 1>(a, out, ostride, tile);
-        tile += 1;
+        // One panel: its tiles P at a time, then the rest two, then one (P = 4 leaves up to three in the last
+        // panel).
+        let (at, stride) = tile_group_at(tiles, groups, gb, tile, 0);
+        let panel = stride / gb;
+        let base = a.data.as_ptr().add(at);
+        let mut j = 0;
+        while j + P <= panel {
+            q4_tiles::<TY, T, P>(a, out, ostride, base.add(j * gb), stride, tile + j);
+            j += P;
+        }
+        if P > 2 && j + 2 <= panel {
+            q4_tiles::<TY, T, 2>(a, out, ostride, base.add(j * gb), stride, tile + j);
+            j += 2;
+        }
+        while j < panel {
+            q4_tiles::<TY, T, 1>(a, out, ostride, base.add(j * gb), stride, tile + j);
+            j += 1;
+        }
+        tile += panel;
     }
 }
 
-/// Tiles `first..first + P`, side by side: each is one linear stream, and one stream per core leaves DRAM
-/// half used (the prefetchers run ahead of one stream only so far); P streams keep more lines in flight.
-/// Each tile's sums run in the same order whatever P is, so the bits do not depend on it.
+/// Tiles `first..first + P` of one panel, side by side from `base` (group `g` of tile `first + p` at
+/// `base + p·gb + g·stride`): P tiles keep P rows' worth of sums in flight per code load, and with the whole
+/// panel (P = 4) the reads are one sequential stream. Each tile's sums run in the same order whatever P is, so
+/// the bits do not depend on it.
 #[inline(always)]
 unsafe fn q4_tiles<const TY: u8, const T: usize, const P: usize>(
     a: &TiledArgs<'_>,
     out: &mut [f32],
     ostride: usize,
+    base: *const u8,
+    stride: usize,
     first: usize,
 ) {
     use super::tiled::{group_bytes, TILE_ROWS};
@@ -898,21 +909,21 @@ unsafe fn q4_tiles<const TY: u8, const T: usize, const P: usize>(
     let gb = group_bytes(a.group, a.ty);
     let m = _mm512_set1_epi8(0x0f);
     let (xq, bd, xs) = (a.xq.as_ptr(), a.block_d.as_ptr(), a.xsum.as_ptr());
-    let bases: [*const u8; P] = std::array::from_fn(|p| a.data.as_ptr().add((first + p) * groups * gb));
+    let bases: [*const u8; P] = std::array::from_fn(|p| base.add(p * gb));
     let mut acc = [[_mm512_setzero_ps(); T]; P];
     let mut bacc = [[_mm512_setzero_ps(); T]; P];
     for g in 0..groups {
         // The next group of every tile, one cache line at a time (measured on medium: decode +13%, prefill +17%
-        // over none; half a group or two groups ahead did no better). Past the last group this points beyond the
-        // tiles: `wrapping_add`, and a prefetch never faults.
+        // over none; half a group or two groups ahead did no better). After the last group this is the next
+        // panel's first, or past the matrix: `wrapping_add`, and a prefetch never faults.
         for base in bases {
-            let next = base.wrapping_add((g + 1) * gb);
+            let next = base.wrapping_add((g + 1) * stride);
             for line in (0..gb).step_by(64) {
                 _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(line) as *const i8);
             }
         }
         for p in 0..P {
-            let gp = bases[p].add(g * gb);
+            let gp = bases[p].add(g * stride);
             let b = load_scales::<TY>(gp.add(TILE_ROWS * size), TILE_ROWS);
             for (t, ba) in bacc[p].iter_mut().enumerate() {
                 *ba = _mm512_fmadd_ps(b, _mm512_set1_ps(*xs.add(t * groups + g)), *ba);
@@ -921,7 +932,7 @@ unsafe fn q4_tiles<const TY: u8, const T: usize, const P: usize>(
         for kb in 0..per_group {
             let blk = g * per_group + kb;
             for p in 0..P {
-                let gp = bases[p].add(g * gb);
+                let gp = bases[p].add(g * stride);
                 let codes = gp.add(2 * TILE_ROWS * size);
                 // Two chains per token (low and high nibbles), so consecutive `vpdpbusd`s do not wait on each
                 // other; integer sums, so the order does not change the result.
