@@ -135,6 +135,8 @@ pub(crate) trait Runner: Send {
     fn new_cache(&self) -> KvCache;
     fn expert_source(&self) -> Option<&Arc<dyn ExpertSource>>;
     fn set_expert_source(&mut self, s: Arc<dyn ExpertSource>);
+    fn awake_steps(&self) -> bool;
+    fn set_awake_steps(&mut self, awake: bool);
     fn profile(&self) -> &StepProfile;
     fn backend_name(&self) -> &'static str;
     fn prefetch(&self) -> (PrefetchMode, usize);
@@ -425,6 +427,14 @@ impl<B: Backend> Runner for Model<B> {
         }
     }
 
+    fn awake_steps(&self) -> bool {
+        self.awake_steps
+    }
+
+    fn set_awake_steps(&mut self, awake: bool) {
+        self.awake_steps = awake;
+    }
+
     fn profile(&self) -> &StepProfile {
         &self.profile
     }
@@ -531,5 +541,17 @@ impl DecoderModel {
     /// Serves the routed experts from `source` from now on (e.g. a store over a fault-injecting file).
     pub fn set_expert_source(&mut self, source: Arc<dyn ExpertSource>) {
         self.runner.set_expert_source(source);
+    }
+
+    /// Whether steps keep the compute threads polling between parallel calls (set at load: when experts are
+    /// resident, so no step waits on the disk).
+    pub fn awake_steps(&self) -> bool {
+        self.runner.awake_steps()
+    }
+
+    /// Keeps the compute threads polling through each step, or not (e.g. while a streamed model's experts are
+    /// all served from RAM).
+    pub fn set_awake_steps(&mut self, awake: bool) {
+        self.runner.set_awake_steps(awake);
     }
 }

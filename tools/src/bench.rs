@@ -315,7 +315,10 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
     let last = if warm { per_run..2 * per_run } else { 0..per_run };
     let in_ram = match (&engine_source, slots, disk_probe_gb_s) {
         (Some(engine), Some(slots), Some(_)) => {
-            let twins = (slots / moe_layers.max(1)).min(16).min(m.info.num_experts);
+            // As many twins as the cache holds (up to every expert): a prompt's chunk then reads as many
+            // distinct records from RAM as the real run does (with 16, a 512-token chunk's ~all experts
+            // folded onto 40 MB of records per layer, which L3 served, and the prefill bound was too fast).
+            let twins = (slots / moe_layers.max(1)).min(m.info.num_experts);
             if twins < top_k {
                 None
             } else {
@@ -323,12 +326,17 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
                     inner: engine.clone(),
                     twins,
                 }));
-                let m = &p.model;
                 let tokens = &stream[last];
-                // Loads every twin: a few dozen tokens route to more than `twins` experts in each layer.
-                let warmup = tokens.len().min(64);
-                measure(m, "twins", &tokens[..warmup], warmup - 1, chunk, top_k, None)?;
-                let r = measure(m, "in-ram", tokens, a.prompt_tokens, chunk, top_k, None)?;
+                // Loads the twins: a prompt of up to one chunk routes to more distinct experts than the cache
+                // holds of a layer, or to as many as the run's own prompt did.
+                let warmup = tokens.len().min(512);
+                measure(&p.model, "twins", &tokens[..warmup], warmup - 1, chunk, top_k, None)?;
+                // No step from here waits on the disk: it runs as a resident model does, threads awake.
+                let awake = p.model.awake_steps();
+                p.model.set_awake_steps(true);
+                let r = measure(&p.model, "in-ram", tokens, a.prompt_tokens, chunk, top_k, None);
+                p.model.set_awake_steps(awake);
+                let r = r?;
                 if let Some(t) = &tracer {
                     p.model.set_expert_source(t.clone());
                 }

@@ -117,6 +117,14 @@ fn bench_reports_runs_and_probes_as_json() {
     // Streamed: each phase of each run is judged against the optimal cache and the in-RAM compute.
     let ram = &v["in_ram"];
     assert!(ram["prefill_tok_s"].as_f64().unwrap() > 0.0 && ram["decode_tok_s"].as_f64().unwrap() > 0.0);
+    // As many twins per layer as the cache holds (up to every expert), so a chunk reads as many records as
+    // the runs did.
+    let (slots, layers) = (
+        v["cache_slots"].as_u64().unwrap(),
+        requests.iter().map(|r| r.0).max().unwrap() + 1,
+    );
+    let twins = ram["twins_per_layer"].as_u64().unwrap();
+    assert_eq!(twins, (slots / layers as u64).min(8), "{slots} slots, {layers} layers");
     for r in v["runs"].as_array().unwrap() {
         assert!(r["decode_tok_s"].as_f64().unwrap() > 0.0);
         assert!(r["read_bytes_per_token"].as_f64().unwrap() > 0.0, "{r}");
