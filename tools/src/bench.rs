@@ -327,8 +327,8 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
                     twins,
                 }));
                 let tokens = &stream[last];
-                // Loads the twins: a prompt of up to one chunk routes to more distinct experts than the cache
-                // holds of a layer, or to as many as the run's own prompt did.
+                // Loads the twins: a prompt of up to 512 tokens (a default chunk) routes to more distinct
+                // experts than the cache holds of a layer, or to as many as the run's own prompt did.
                 let warmup = tokens.len().min(512);
                 measure(&p.model, "twins", &tokens[..warmup], warmup - 1, chunk, top_k, None)?;
                 // No step from here waits on the disk: it runs as a resident model does, threads awake.

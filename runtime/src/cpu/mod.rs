@@ -593,13 +593,23 @@ pub fn group_sums(x: &[f32], group: usize) -> Vec<f32> {
 fn tiled_task(m: &TiledMatrix<'_>, acts: &q8::QuantActs, c: &RowCtx<'_>, first: usize, n: usize, chunk: &mut [f32]) {
     let rows = chunk.len() / n;
     assert!(first.is_multiple_of(tiled::PANEL_ROWS), "a task starts at a panel");
-    let tile_bytes = tiled::tiled_len(tiled::TILE_ROWS, m.cols, m.group, m.scale_type);
     let (blocks, groups) = (m.cols / 32, m.cols / m.group);
+    // The task's first panel; from there its tiles lie as those of a matrix of `rows` rows would.
+    let gb = tiled::group_bytes(m.group, m.scale_type);
+    let at = tiled::tile_group_at(
+        m.rows.div_ceil(tiled::TILE_ROWS),
+        groups,
+        gb,
+        first / tiled::TILE_ROWS,
+        0,
+    )
+    .0;
+    let data = &m.data[at..];
     let mut t = 0;
     while t < n {
         let tokens = if n - t >= 4 { 4 } else { 1 };
         let args = x86::TiledArgs {
-            data: &m.data[first / tiled::TILE_ROWS * tile_bytes..],
+            data,
             ty: m.scale_type,
             group: m.group,
             rows,
