@@ -98,11 +98,12 @@ impl Prefault {
         Some(Self { arena: arena?, ranges })
     }
 
-    /// Backs each slot in turn until all are done or `stop()` says so (asked before each slot); returns the
-    /// bytes backed (0 where the OS cannot back memory without writing it).
-    pub fn run(&self, stop: impl Fn() -> bool) -> usize {
+    /// Backs each slot in turn until all are done or `stop()` says so (asked before each slot), calling
+    /// `backed` with the count so far after each; returns the bytes backed (0 where the OS cannot back
+    /// memory without writing it).
+    pub fn run(&self, stop: impl Fn() -> bool, mut backed: impl FnMut(usize)) -> usize {
         let mut done = 0;
-        for &(offset, len) in &self.ranges {
+        for (i, &(offset, len)) in self.ranges.iter().enumerate() {
             if stop() {
                 break;
             }
@@ -113,6 +114,7 @@ impl Prefault {
                 break;
             }
             done += len;
+            backed(i + 1);
         }
         done
     }
@@ -148,14 +150,18 @@ mod tests {
         let mut slots = SlotBuf::allocate(4, SLOT_ALIGN * 3).unwrap();
         slots[1].as_mut_slice().fill(7);
         let pass = Prefault::new(slots.iter().rev()).unwrap();
-        let backed = pass.run(|| false);
+        let mut told = Vec::new();
+        let backed = pass.run(|| false, |n| told.push(n));
         // Linux 5.14+ backs every slot; older kernels and other systems back none.
         assert!(backed == 0 || backed == 4 * SLOT_ALIGN * 3, "{backed}");
+        // The count so far, after each slot backed.
+        let want: Vec<usize> = if backed == 0 { vec![] } else { vec![1, 2, 3, 4] };
+        assert_eq!(told, want);
         for (i, s) in slots.iter().enumerate() {
             let want = if i == 1 { 7 } else { 0 };
             assert!(s.as_ref().iter().all(|&x| x == want), "slot {i}");
         }
-        assert_eq!(pass.run(|| true), 0, "a stopped pass backs nothing");
+        assert_eq!(pass.run(|| true, |_| panic!("nothing backed")), 0, "a stopped pass backs nothing");
         let other = SlotBuf::allocate(1, 10).unwrap();
         assert!(Prefault::new([&slots[0], &other[0]]).is_none());
         assert!(Prefault::new([]).is_none());

@@ -247,6 +247,9 @@ struct Inner {
     /// Times a fetch blocked waiting for a read to land.
     #[cfg(test)]
     fetch_waits: std::sync::atomic::AtomicUsize,
+    /// The background pass has ended (or there was none).
+    #[cfg(test)]
+    pass_ended: std::sync::atomic::AtomicBool,
 }
 
 /// Serves expert records from disk through a budgeted cache of persistent slots.
@@ -307,6 +310,8 @@ impl StreamingSource {
             slot_len,
             #[cfg(test)]
             fetch_waits: Default::default(),
+            #[cfg(test)]
+            pass_ended: std::sync::atomic::AtomicBool::new(prefault.is_none()),
         });
         let workers = (0..opts.io_depth.max(1))
             .map(|i| {
@@ -321,11 +326,15 @@ impl StreamingSource {
         if let Some(pass) = prefault {
             let inner = Arc::clone(&engine.inner);
             // Without this thread the slots still fault in on first read, only slower: nothing to report.
-            if let Ok(h) = std::thread::Builder::new()
+            match std::thread::Builder::new()
                 .name("sluice-prefault".into())
                 .spawn(move || inner.prefault(&pass))
             {
-                engine.workers.push(h);
+                Ok(h) => engine.workers.push(h),
+                #[cfg(test)]
+                Err(_) => engine.inner.pass_ended.store(true, Relaxed),
+                #[cfg(not(test))]
+                Err(_) => {}
             }
         }
         Ok(engine)
@@ -368,6 +377,15 @@ impl StreamingSource {
             .filter(|(_, e)| matches!(e.state, SlotState::Ready(_)))
             .count();
         (st.free.len(), loaded)
+    }
+
+    /// Blocks until the background pass that backs the slots has ended; panics after 10 s.
+    fn wait_pass_ended(&self) {
+        let deadline = Instant::now() + std::time::Duration::from_secs(10);
+        while !self.inner.pass_ended.load(Relaxed) {
+            assert!(Instant::now() < deadline, "background pass still running after 10 s");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
     }
 
     /// Times a fetch blocked waiting for a read to land.
@@ -522,8 +540,20 @@ impl Inner {
     /// Backs the slots with memory ahead of the reads that will fill them (see [`Prefault`]).
     fn prefault(&self, pass: &Prefault) {
         let started = Instant::now();
-        // Stops between slots once the engine is dropped.
-        let bytes = pass.run(|| lock(&self.queue).shutdown);
+        // Stops between slots once the engine is dropped; counts its CPU time slot by slot, so a run sees
+        // what the pass took from it while it ran.
+        let mut cpu = crate::platform::thread_cpu_time();
+        let count_cpu = |_| {
+            let now = crate::platform::thread_cpu_time();
+            if let (Some(before), Some(after)) = (cpu, now) {
+                let used = after.saturating_sub(before).as_nanos() as u64;
+                self.counters.prefault_cpu_ns.fetch_add(used, Relaxed);
+            }
+            cpu = now;
+        };
+        let bytes = pass.run(|| lock(&self.queue).shutdown, count_cpu);
+        #[cfg(test)]
+        self.pass_ended.store(true, Relaxed);
         let secs = started.elapsed().as_secs_f64();
         tracing::debug!(
             "backed {:.2} GB of expert slots with memory in {secs:.2} s ({:.2} GB/s)",
@@ -559,8 +589,13 @@ impl Inner {
                 q.reading += 1;
                 now
             };
+            let cpu = crate::platform::thread_cpu_time();
             let result = self.load(key, &mut buf, &mut scratch);
             let took = started.elapsed();
+            if let (Some(before), Some(after)) = (cpu, crate::platform::thread_cpu_time()) {
+                let used = after.saturating_sub(before).as_nanos() as u64;
+                self.counters.read_cpu_ns.fetch_add(used, Relaxed);
+            }
             {
                 let mut q = lock(&self.queue);
                 // Ended when the read ended, not when this lock was taken: a busy machine can keep a

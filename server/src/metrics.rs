@@ -53,6 +53,8 @@ struct StoreMetrics {
     guessed_used: IntCounter,
     read_errors: IntCounter,
     io_wait: prometheus::Counter,
+    read_cpu: prometheus::Counter,
+    prefault_cpu: prometheus::Counter,
     read_latency: Histogram,
     depth: Gauge,
 }
@@ -172,6 +174,16 @@ impl Metrics {
                     "Time decode steps waited for expert reads",
                 )
                 .expect("valid counter"),
+                read_cpu: prometheus::Counter::new(
+                    "sluice_expert_read_cpu_seconds_total",
+                    "CPU time the I/O threads spent loading expert records (read calls, first touch, checksums, rewrites)",
+                )
+                .expect("valid counter"),
+                prefault_cpu: prometheus::Counter::new(
+                    "sluice_expert_prefault_cpu_seconds_total",
+                    "CPU time spent backing expert cache slots with memory ahead of their first read",
+                )
+                .expect("valid counter"),
                 read_latency: hist(
                     "sluice_expert_read_latency_seconds",
                     "Latency of one expert record read",
@@ -218,6 +230,8 @@ impl Metrics {
                 Box::new(s.guessed_used.clone()),
                 Box::new(s.read_errors.clone()),
                 Box::new(s.io_wait.clone()),
+                Box::new(s.read_cpu.clone()),
+                Box::new(s.prefault_cpu.clone()),
                 Box::new(s.read_latency.clone()),
                 Box::new(s.depth.clone()),
             ];
@@ -262,6 +276,8 @@ impl StoreMetrics {
         self.guessed_used.inc_by(d.guessed_used);
         self.read_errors.inc_by(d.read_errors);
         self.io_wait.inc_by(d.io_wait_seconds.max(0.0));
+        self.read_cpu.inc_by(d.read_cpu_seconds.max(0.0));
+        self.prefault_cpu.inc_by(d.prefault_cpu_seconds.max(0.0));
         // Replays each new read into the histogram at its bucket's upper bound (the store keeps only counts).
         for (i, &n) in d.read_latency.counts.iter().enumerate() {
             let v = LATENCY_BOUNDS.get(i).copied().unwrap_or(1.0);

@@ -86,6 +86,12 @@ pub(crate) struct RunReport {
     pub(crate) effective_queue_depth: f64,
     /// Share of issued prefetch reads that a step then used.
     pub(crate) prefetch_accuracy: f64,
+    /// CPU the I/O threads used loading records during decode, in cores (CPU seconds ÷ decode seconds).
+    pub(crate) read_cpu_cores: f64,
+    /// CPU the I/O threads used per record read during decode, milliseconds.
+    pub(crate) read_cpu_ms_per_record: f64,
+    /// CPU the background pass used backing slots during decode, in cores.
+    pub(crate) prefault_cpu_cores: f64,
     pub(crate) prefetch_wasted_bytes: u64,
     /// Recent share of the experts guessed for the layers ahead that those layers used (read or not).
     pub(crate) guess_precision: Option<f64>,
@@ -516,6 +522,13 @@ pub(crate) fn measure(
         read_p99_ms: c.read_latency.quantile(0.99) * 1e3,
         effective_queue_depth: c.effective_queue_depth(),
         prefetch_accuracy: c.prefetch_accuracy(),
+        read_cpu_cores: c.read_cpu_seconds / secs,
+        read_cpu_ms_per_record: if c.reads > 0 {
+            c.read_cpu_seconds * 1e3 / c.reads as f64
+        } else {
+            0.0
+        },
+        prefault_cpu_cores: c.prefault_cpu_seconds / secs,
         prefetch_wasted_bytes: c.prefetch_wasted_bytes,
         guess_precision: m.guess_precision(),
         prefill_read_bytes_per_token: p.bytes_read() as f64 / prompt as f64,
@@ -694,6 +707,17 @@ fn print_table(r: &Report) {
                 .map(|(name, share)| format!("{} {:.1}%", name.replace('_', " "), 100.0 * share))
                 .collect();
             println!("{} {what} time: {}", x.run, parts.join(" | "));
+        }
+        if x.read_cpu_cores > 0.0 || x.prefault_cpu_cores > 0.0 {
+            println!(
+                "{} decode CPU beside the step's threads: I/O threads {:.2} cores ({:.2} ms per record read), \
+                 backing slots {:.2} cores, of {} cores",
+                x.run,
+                x.read_cpu_cores,
+                x.read_cpu_ms_per_record,
+                x.prefault_cpu_cores,
+                std::thread::available_parallelism().map_or(0, |n| n.get())
+            );
         }
     }
     if let Some(ram) = &r.in_ram {

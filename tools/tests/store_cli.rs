@@ -129,6 +129,13 @@ fn bench_reports_runs_and_probes_as_json() {
         assert!(r["decode_tok_s"].as_f64().unwrap() > 0.0);
         assert!(r["read_bytes_per_token"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["prefill_read_bytes_per_token"].as_f64().unwrap() > 0.0, "{r}");
+        // Decode read records, so the I/O threads used some CPU, at most all of it per record's read.
+        let (cores, per_record) = (
+            r["read_cpu_cores"].as_f64().unwrap(),
+            r["read_cpu_ms_per_record"].as_f64().unwrap(),
+        );
+        assert!(cores > 0.0 && per_record > 0.0, "{r}");
+        assert!(r["prefault_cpu_cores"].as_f64().unwrap() >= 0.0, "{r}");
         for phase in ["prefill_bound", "decode_bound"] {
             let b = &r[phase];
             assert!(b["tok_s"].as_f64().unwrap() > 0.0, "{phase}: {b}");

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::*;
 use crate::{CounterSnapshot, ReadAt, ReadOp, RecordLayout, RecordTransform, SLOT_ALIGN};
@@ -440,6 +440,31 @@ fn prefetched_record_is_served_without_a_second_read() {
         "{c:?}"
     );
     assert_eq!((c.prefetch_wasted, c.prefetch_wasted_bytes), (0, 0));
+}
+
+#[test]
+fn cpu_spent_loading_records_and_backing_slots_is_counted() {
+    let (t, _) = table();
+    let started = Instant::now();
+    let src = StreamingSource::new(t, &options(EXPERTS as u64 * SLOT, 2)).unwrap();
+    src.wait_pass_ended();
+    let backing = counters(&src).prefault_cpu_seconds;
+    // The pass's CPU is counted where the OS backs memory ahead of use (and can never exceed its wall time).
+    let mut probe = crate::aligned::SlotBuf::allocate(1, SLOT_ALIGN).unwrap();
+    let populates = crate::platform::populate(std::ptr::NonNull::from(probe[0].as_mut_slice()).cast(), SLOT_ALIGN);
+    if populates && crate::platform::thread_cpu_time().is_some() {
+        assert!(backing > 0.0, "backing slots took no CPU time");
+    }
+    assert!(backing <= started.elapsed().as_secs_f64(), "{backing} s of CPU in less wall time");
+    fetch_all(&src, &(0..EXPERTS).collect::<Vec<_>>(), true).unwrap();
+    let c = counters(&src);
+    assert_eq!(c.reads, EXPERTS as u64);
+    if crate::platform::thread_cpu_time().is_some() {
+        assert!(c.read_cpu_seconds > 0.0, "{c:?}");
+    }
+    // A read's CPU time is measured inside its wall time (the 1 ms is the clocks' granularity).
+    assert!(c.read_cpu_seconds <= c.read_busy_seconds + 1e-3, "{c:?}");
+    assert_eq!(c.prefault_cpu_seconds, backing, "the pass had ended");
 }
 
 /// A prediction still queued when a step needs it moves to the demand queue and is read once; the layer's

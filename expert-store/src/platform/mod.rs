@@ -191,6 +191,11 @@ pub fn populate(ptr: NonNull<u8>, len: usize) -> bool {
     os::populate(ptr.cast(), len)
 }
 
+/// CPU time the calling thread has used so far (user and system); `None` where the OS does not say.
+pub fn thread_cpu_time() -> Option<std::time::Duration> {
+    os::thread_cpu_time()
+}
+
 /// Unmaps a mapping made by [`map_zeroed`].
 ///
 /// # Safety
@@ -292,6 +297,30 @@ mod tests {
         let _ = open_for_reads(&path, true);
         let (w, _) = create_uncached(&dir.path().join("out")).unwrap();
         set_cached(&w).unwrap();
+    }
+
+    #[test]
+    fn a_threads_cpu_time_grows_with_its_work_alone() {
+        let Some(before) = thread_cpu_time() else {
+            // Only where the OS has no per-thread clock (neither Linux nor macOS).
+            assert!(cfg!(not(any(target_os = "linux", target_os = "macos"))));
+            return;
+        };
+        let wall = std::time::Instant::now();
+        let mut x = 1u64;
+        while wall.elapsed() < std::time::Duration::from_millis(20) {
+            x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+        }
+        let used = thread_cpu_time().unwrap() - before;
+        assert!(used > std::time::Duration::from_millis(1), "{used:?} of CPU in a 20 ms busy loop");
+        // Another thread sleeping meanwhile uses next to none.
+        let idle = std::thread::spawn(|| {
+            let t0 = thread_cpu_time().unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            thread_cpu_time().unwrap() - t0
+        });
+        let idle = idle.join().unwrap();
+        assert!(idle < std::time::Duration::from_millis(5), "a sleeping thread used {idle:?}");
     }
 
     #[test]
