@@ -161,7 +161,11 @@ mod tests {
             let want = if i == 1 { 7 } else { 0 };
             assert!(s.as_ref().iter().all(|&x| x == want), "slot {i}");
         }
-        assert_eq!(pass.run(|| true, |_| panic!("nothing backed")), 0, "a stopped pass backs nothing");
+        assert_eq!(
+            pass.run(|| true, |_| panic!("nothing backed")),
+            0,
+            "a stopped pass backs nothing"
+        );
         let other = SlotBuf::allocate(1, 10).unwrap();
         assert!(Prefault::new([&slots[0], &other[0]]).is_none());
         assert!(Prefault::new([]).is_none());

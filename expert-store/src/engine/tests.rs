@@ -455,7 +455,10 @@ fn cpu_spent_loading_records_and_backing_slots_is_counted() {
     if populates && crate::platform::thread_cpu_time().is_some() {
         assert!(backing > 0.0, "backing slots took no CPU time");
     }
-    assert!(backing <= started.elapsed().as_secs_f64(), "{backing} s of CPU in less wall time");
+    assert!(
+        backing <= started.elapsed().as_secs_f64(),
+        "{backing} s of CPU in less wall time"
+    );
     fetch_all(&src, &(0..EXPERTS).collect::<Vec<_>>(), true).unwrap();
     let c = counters(&src);
     assert_eq!(c.reads, EXPERTS as u64);
