@@ -90,10 +90,3 @@ pub(super) fn populate(ptr: NonNull<c_void>, len: usize) -> bool {
     // refuse it with EINVAL.
     unsafe { nix::libc::madvise(ptr.as_ptr(), len, nix::libc::MADV_POPULATE_WRITE) == 0 }
 }
-
-pub(super) fn thread_cpu_time() -> Option<std::time::Duration> {
-    let mut ts = nix::libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: `ts` is a valid, writable timespec; the call writes only it.
-    let ok = unsafe { nix::libc::clock_gettime(nix::libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } == 0;
-    ok.then(|| std::time::Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32))
-}

@@ -166,10 +166,3 @@ pub(super) fn populate(_ptr: NonNull<c_void>, _len: usize) -> bool {
     // macOS has no advice that backs pages without writing them; they fault in on first touch, as before.
     false
 }
-
-pub(super) fn thread_cpu_time() -> Option<std::time::Duration> {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: `ts` is a valid, writable timespec; the call writes only it.
-    let ok = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } == 0;
-    ok.then(|| std::time::Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32))
-}

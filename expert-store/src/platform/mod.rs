@@ -1,6 +1,6 @@
 //! Every OS-specific call sluice makes, for Linux and macOS side by side: memory facts (total, available,
-//! resident, the GPU's working-set limit), uncached file I/O, dropping a file's cached pages, and the slot
-//! arena's anonymous mapping and its backing ahead of use. The rest of the code asks these questions and
+//! resident, the GPU's working-set limit), uncached file I/O, dropping a file's cached pages, the slot
+//! arena's anonymous mapping and its backing ahead of use, and a thread's CPU time. The rest of the code asks these questions and
 //! never reads `/proc`, calls `sysctl` or sets file flags itself.
 //!
 //! The arithmetic that turns the OS's raw numbers into answers is plain functions at the top of this file,
@@ -193,7 +193,17 @@ pub fn populate(ptr: NonNull<u8>, len: usize) -> bool {
 
 /// CPU time the calling thread has used so far (user and system); `None` where the OS does not say.
 pub fn thread_cpu_time() -> Option<std::time::Duration> {
-    os::thread_cpu_time()
+    // POSIX, the same call on Linux and macOS.
+    #[cfg(unix)]
+    {
+        use nix::libc;
+        let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+        // SAFETY: `ts` is a valid, writable timespec; the call writes only it.
+        let ok = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } == 0;
+        ok.then(|| std::time::Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32))
+    }
+    #[cfg(not(unix))]
+    None
 }
 
 /// Unmaps a mapping made by [`map_zeroed`].

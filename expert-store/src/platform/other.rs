@@ -47,7 +47,3 @@ pub(super) fn advise_huge_pages(_ptr: NonNull<c_void>, _len: usize) {}
 pub(super) fn populate(_ptr: NonNull<c_void>, _len: usize) -> bool {
     false
 }
-
-pub(super) fn thread_cpu_time() -> Option<std::time::Duration> {
-    None
-}
