@@ -211,6 +211,11 @@ impl CounterSnapshot {
         ratio(self.prefetch_hits as f64, self.prefetch_issued as f64)
     }
 
+    /// CPU the I/O threads used per record read, seconds (0 when nothing was read).
+    pub fn read_cpu_per_record(&self) -> f64 {
+        ratio(self.read_cpu_seconds, self.reads as f64)
+    }
+
     /// Bytes read from disk, demand plus prefetch.
     pub fn bytes_read(&self) -> u64 {
         self.demand_bytes + self.prefetch_bytes

@@ -326,15 +326,11 @@ impl StreamingSource {
         if let Some(pass) = prefault {
             let inner = Arc::clone(&engine.inner);
             // Without this thread the slots still fault in on first read, only slower: nothing to report.
-            match std::thread::Builder::new()
+            if let Ok(h) = std::thread::Builder::new()
                 .name("sluice-prefault".into())
                 .spawn(move || inner.prefault(&pass))
             {
-                Ok(h) => engine.workers.push(h),
-                #[cfg(test)]
-                Err(_) => engine.inner.pass_ended.store(true, Relaxed),
-                #[cfg(not(test))]
-                Err(_) => {}
+                engine.workers.push(h);
             }
         }
         Ok(engine)
@@ -543,14 +539,7 @@ impl Inner {
         // Stops between slots once the engine is dropped; counts its CPU time slot by slot, so a run sees
         // what the pass took from it while it ran.
         let mut cpu = crate::platform::thread_cpu_time();
-        let count_cpu = |_| {
-            let now = crate::platform::thread_cpu_time();
-            if let (Some(before), Some(after)) = (cpu, now) {
-                let used = after.saturating_sub(before).as_nanos() as u64;
-                self.counters.prefault_cpu_ns.fetch_add(used, Relaxed);
-            }
-            cpu = now;
-        };
+        let count_cpu = || cpu = add_cpu_since(&self.counters.prefault_cpu_ns, cpu);
         let bytes = pass.run(|| lock(&self.queue).shutdown, count_cpu);
         #[cfg(test)]
         self.pass_ended.store(true, Relaxed);
@@ -592,10 +581,7 @@ impl Inner {
             let cpu = crate::platform::thread_cpu_time();
             let result = self.load(key, &mut buf, &mut scratch);
             let took = started.elapsed();
-            if let (Some(before), Some(after)) = (cpu, crate::platform::thread_cpu_time()) {
-                let used = after.saturating_sub(before).as_nanos() as u64;
-                self.counters.read_cpu_ns.fetch_add(used, Relaxed);
-            }
+            add_cpu_since(&self.counters.read_cpu_ns, cpu);
             {
                 let mut q = lock(&self.queue);
                 // Ended when the read ended, not when this lock was taken: a busy machine can keep a
@@ -698,6 +684,19 @@ impl Inner {
             .ok_or_else(|| StoreError::Engine("record part outside its slot".into()))?;
         Ok(ExpertRecord { parts })
     }
+}
+
+/// Adds to `counter` the nanoseconds of CPU this thread has used since `since` (its CPU clock then), and
+/// returns the clock now; counts nothing where the OS has no per-thread clock.
+fn add_cpu_since(
+    counter: &std::sync::atomic::AtomicU64,
+    since: Option<std::time::Duration>,
+) -> Option<std::time::Duration> {
+    let now = crate::platform::thread_cpu_time();
+    if let (Some(before), Some(after)) = (since, now) {
+        counter.fetch_add(after.saturating_sub(before).as_nanos() as u64, Relaxed);
+    }
+    now
 }
 
 /// What a waiting fetch found for one of its records.

@@ -523,11 +523,7 @@ pub(crate) fn measure(
         effective_queue_depth: c.effective_queue_depth(),
         prefetch_accuracy: c.prefetch_accuracy(),
         read_cpu_cores: c.read_cpu_seconds / secs,
-        read_cpu_ms_per_record: if c.reads > 0 {
-            c.read_cpu_seconds * 1e3 / c.reads as f64
-        } else {
-            0.0
-        },
+        read_cpu_ms_per_record: c.read_cpu_per_record() * 1e3,
         prefault_cpu_cores: c.prefault_cpu_seconds / secs,
         prefetch_wasted_bytes: c.prefetch_wasted_bytes,
         guess_precision: m.guess_precision(),

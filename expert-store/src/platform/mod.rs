@@ -1,7 +1,7 @@
 //! Every OS-specific call sluice makes, for Linux and macOS side by side: memory facts (total, available,
 //! resident, the GPU's working-set limit), uncached file I/O, dropping a file's cached pages, the slot
-//! arena's anonymous mapping and its backing ahead of use, and a thread's CPU time. The rest of the code asks these questions and
-//! never reads `/proc`, calls `sysctl` or sets file flags itself.
+//! arena's anonymous mapping and its backing ahead of use, and a thread's CPU time. The rest of the code
+//! asks these questions and never reads `/proc`, calls `sysctl` or sets file flags itself.
 //!
 //! The arithmetic that turns the OS's raw numbers into answers is plain functions at the top of this file,
 //! so it is tested on every platform (a captured macOS `vm_statistics64` is checked on Linux too).
