@@ -98,6 +98,15 @@ fn main() {
     for (name, isa, mats) in &rows_to_run {
         sluice_runtime::threads::with_workers_awake(|| run.measure(name, *isa, mats));
     }
+    if !tiles.is_empty() {
+        let quants: Vec<QuantMatrix<'_>> = (experts.iter())
+            .filter_map(|e| match mat(e) {
+                MatRef::Quant(q) => Some(q),
+                _ => None,
+            })
+            .collect();
+        run.measure_tiling(&quants);
+    }
 }
 
 /// What every row shares: the matrices' shape and count, and the DRAM probe.
@@ -156,6 +165,42 @@ impl Run {
              {whole:.2} GB/s = {:.1}%) | prefill (32 tokens) {gflops:.1} GFLOP/s",
             100.0 * gbps / self.dram,
             100.0 * whole / self.dram
+        );
+    }
+}
+
+impl Run {
+    /// Repacking stored matrices into tiles on one thread, as an expert-store I/O thread does for each record
+    /// it reads: from DRAM (every matrix once, cycled) and cache-hot (one matrix again and again).
+    fn measure_tiling(&self, quants: &[QuantMatrix<'_>]) {
+        let len = tiled::tiled_len(self.rows, self.cols, quants[0].group, quants[0].scale_type);
+        // Written once first, so the timing does not include the first touch of fresh pages.
+        let mut outs: Vec<Vec<u8>> = quants.iter().map(|_| vec![1u8; len]).collect();
+        let passes = if self.quick { 2 } else { 5 };
+        let time = |picks: &mut dyn FnMut() -> Option<usize>, outs: &mut [Vec<u8>]| {
+            let (t, mut n) = (Instant::now(), 0usize);
+            while let Some(i) = picks() {
+                assert!(tiled::tile_into(&quants[i], &mut outs[i]));
+                black_box(&outs[i]);
+                n += 1;
+            }
+            (t.elapsed().as_secs_f64(), n)
+        };
+        let mut order = (0..passes).flat_map(|_| 0..quants.len());
+        let (cold, n_cold) = time(&mut || order.next(), &mut outs);
+        let mut hot = std::iter::repeat_n(0, passes * quants.len());
+        let (warm, n_warm) = time(&mut || hot.next(), &mut outs);
+        // A record is three such matrices (gate, up, down).
+        let ms_per_record = |secs: f64, n: usize| 3e3 * secs / n as f64;
+        let gbps = |secs: f64, n: usize| (n * self.bytes_per) as f64 / secs / 1e9;
+        println!(
+            "tiling (one thread, as the I/O threads repack each record read): from DRAM {:.2} GB/s = {:.1}% of DRAM, \
+             {:.3} ms per 3-matrix record | cache-hot {:.2} GB/s, {:.3} ms per record",
+            gbps(cold, n_cold),
+            100.0 * gbps(cold, n_cold) / self.dram,
+            ms_per_record(cold, n_cold),
+            gbps(warm, n_warm),
+            ms_per_record(warm, n_warm),
         );
     }
 }

@@ -353,6 +353,9 @@ impl MatRef<'_> {
         let (cols, group) = (self.cols(), ctx.layout.group);
         #[cfg(target_arch = "x86_64")]
         if let (MatRef::Quant(q), Some(k), Some(acts)) = (self, ctx.layout.q8, ctx.acts) {
+            if k.band {
+                return band_task(q, acts, ctx, first, n, chunk);
+            }
             return q8_task(q, k, acts, ctx, first, n, chunk);
         }
         #[cfg(target_arch = "x86_64")]
@@ -484,11 +487,12 @@ pub fn matmul_many(isa: Isa, mats: &[MatRef<'_>], x: &[f32], n: usize, ys: &mut 
         let pieces = (m.rows() * m.cols() * target)
             .div_ceil(total.max(1))
             .clamp(1, m.rows().max(1));
-        // A tiled matrix splits at whole panels (each task's tiles then lie as a matrix of its rows would).
-        let align = if matches!(m, MatRef::Tiled(_)) {
-            tiled::PANEL_ROWS
-        } else {
-            1
+        // A tiled matrix splits at whole panels (each task's tiles then lie as a matrix of its rows would), one
+        // read in bands at whole bands.
+        let align = match (m, layouts[i].q8) {
+            (MatRef::Tiled(_), _) => tiled::PANEL_ROWS,
+            (_, Some(k)) if k.band => tiled::TILE_ROWS,
+            _ => 1,
         };
         let rows_per_task = m.rows().div_ceil(pieces).next_multiple_of(align).max(1);
         for (j, chunk) in out.chunks_mut(rows_per_task * n).enumerate() {
@@ -620,6 +624,34 @@ fn tiled_task(m: &TiledMatrix<'_>, acts: &q8::QuantActs, c: &RowCtx<'_>, first: 
             xsum: &c.xsum[t * groups..(t + tokens) * groups],
         };
         x86::q4_tiled_rows(&args, &mut chunk[t..], n);
+        t += tokens;
+    }
+}
+
+/// The row-major 4-bit kernel with the tiled kernel's arithmetic over one task's rows (whole 16-row bands).
+#[cfg(target_arch = "x86_64")]
+fn band_task(q: &QuantMatrix<'_>, acts: &q8::QuantActs, c: &RowCtx<'_>, first: usize, n: usize, chunk: &mut [f32]) {
+    let rows = chunk.len() / n;
+    assert!(first.is_multiple_of(tiled::TILE_ROWS), "a task starts at a band");
+    let (blocks, groups) = (q.cols / 32, q.cols / q.group);
+    let (row_bytes, params) = (q.cols / 2, groups * q.scale_type.size());
+    let mut t = 0;
+    while t < n {
+        let tokens = if n - t >= 4 { 4 } else { 1 };
+        let args = x86::BandArgs {
+            packed: &q.packed[first * row_bytes..(first + rows) * row_bytes],
+            scales: &q.scales[first * params..(first + rows) * params],
+            biases: &q.biases[first * params..(first + rows) * params],
+            ty: q.scale_type,
+            group: q.group,
+            rows,
+            cols: q.cols,
+            tokens,
+            xq: &acts.xq[t * q.cols..(t + tokens) * q.cols],
+            block_d: &acts.lane_d[t * blocks..(t + tokens) * blocks],
+            xsum: &c.xsum[t * groups..(t + tokens) * groups],
+        };
+        x86::q4_band_rows(&args, &mut chunk[t..], n);
         t += tokens;
     }
 }

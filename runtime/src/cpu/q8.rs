@@ -46,6 +46,10 @@ pub(super) struct Q8Kernel {
     pub avx512: bool,
     /// For a tiled matrix (`super::tiled`): activations in natural order with one scale per block.
     pub tiled: bool,
+    /// For a row-major 4-bit matrix read 16 rows at a time with the tiled kernel's arithmetic: activations in
+    /// the 4-bit kernel's chunk order (a last chunk of 32, 64 or 96 columns likewise), one scale per 32-column
+    /// block.
+    pub band: bool,
 }
 
 impl Q8Kernel {
@@ -53,12 +57,19 @@ impl Q8Kernel {
     pub fn for_matrix(q: &QuantMatrix<'_>, isa: Isa) -> Option<Self> {
         let vnni = vnni_available();
         let k = match (q.bits, isa) {
+            // Whole 16-row bands: the tiled kernel's bits without tiling (records streamed from disk).
+            (4, Isa::Avx512) if vnni && q.rows.is_multiple_of(16) => Self {
+                band: true,
+                ..Self::new(4, true)
+            },
             (4, Isa::Avx512) if vnni => Self::new(4, true),
             (4, Isa::Avx2 | Isa::Avx512) => Self::new(4, false),
             (8, Isa::Avx512) if vnni => Self::new(8, true),
             _ => return None,
         };
-        (q.group.is_multiple_of(BLOCK) && q.group <= 128 && q.cols.is_multiple_of(k.chunk())).then_some(k)
+        // The band kernel takes a last chunk of 32, 64 or 96 columns; the others want whole chunks.
+        let whole = k.band || q.cols.is_multiple_of(k.chunk());
+        (q.group.is_multiple_of(BLOCK) && q.group <= 128 && whole).then_some(k)
     }
 
     fn new(bits: u32, avx512: bool) -> Self {
@@ -66,6 +77,7 @@ impl Q8Kernel {
             bits,
             avx512,
             tiled: false,
+            band: false,
         }
     }
 
@@ -75,6 +87,7 @@ impl Q8Kernel {
             bits: 4,
             avx512: true,
             tiled: true,
+            band: false,
         })
     }
 
@@ -90,7 +103,7 @@ impl Q8Kernel {
 
     /// Columns each i32 lane of the integer dot covers.
     pub fn lane_cols(self) -> usize {
-        if self.tiled {
+        if self.tiled || self.band {
             BLOCK
         } else if self.bits == 4 {
             8
@@ -179,8 +192,9 @@ pub(super) fn quantize(x: &[f32], n: usize, cols: usize, k: Q8Kernel) -> QuantAc
         quantize_row(k, xt, &mut natural, &mut d);
         let out = &mut xq[t * cols..(t + 1) * cols];
         if k.bits == 4 && !k.tiled {
-            let (chunk, half) = (k.chunk(), k.chunk() / 2);
-            for (src, dst) in natural.chunks_exact(chunk).zip(out.chunks_exact_mut(chunk)) {
+            // A last, shorter chunk (band kernel only) is split the same way.
+            for (src, dst) in natural.chunks(k.chunk()).zip(out.chunks_mut(k.chunk())) {
+                let half = src.len() / 2;
                 for i in 0..half {
                     dst[i] = src[2 * i];
                     dst[half + i] = src[2 * i + 1];

@@ -411,6 +411,97 @@ mod q8_kernels {
         }
     }
 
+    /// A row-major 4-bit matrix read in 16-row bands gives the tiled kernel's bits on the same matrix tiled,
+    /// for every token count (four per pass, then one), group size, scale type and width (whole 128-column
+    /// steps or a shorter last one).
+    fn band_equals_tiled(bands: usize, groups: usize, group: usize, n: usize, st: FloatType, seed: u64) {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let (rows, cols) = (16 * bands, group * groups);
+        let (gpr, blocks) = (cols / group, cols / BLOCK);
+        let codes: Vec<u32> = (0..rows * cols).map(|_| rng.gen_range(0..16)).collect();
+        let s: Vec<f32> = (0..rows * gpr).map(|_| rng.gen_range(-0.1f32..0.1)).collect();
+        let b: Vec<f32> = (0..rows * gpr).map(|_| rng.gen_range(-1f32..1.0)).collect();
+        let (packed, scales, biases) = (pack(4, &codes), encode(st, &s), encode(st, &b));
+        let q = QuantMatrix {
+            packed: &packed,
+            scales: &scales,
+            biases: &biases,
+            scale_type: st,
+            bits: 4,
+            group,
+            rows,
+            cols,
+        };
+        let band = Q8Kernel::for_matrix(&q, Isa::Avx512).expect("a 4-bit kernel");
+        assert!(band.band, "whole bands take the band kernel");
+        let x: Vec<f32> = (0..n * cols)
+            .map(|_| rng.gen_range(-3f32..3.0) * rng.gen_range(0f32..1.0))
+            .collect();
+        let xsum = group_sums(&x, group);
+        let tiles = tiled::tile(&q).expect("tiles");
+        let (ba, ta) = (
+            q8::quantize(&x, n, cols, band),
+            q8::quantize(&x, n, cols, Q8Kernel::for_tiled(Isa::Avx512).unwrap()),
+        );
+        assert_eq!(ba.lane_d, ta.lane_d, "one scale per block in both");
+        let (mut got, mut want) = (vec![0f32; rows * n], vec![0f32; rows * n]);
+        let mut t = 0;
+        while t < n {
+            let tokens = if n - t >= 4 { 4 } else { 1 };
+            let xs = t * cols..(t + tokens) * cols;
+            let ds = t * blocks..(t + tokens) * blocks;
+            let gs = t * gpr..(t + tokens) * gpr;
+            let args = x86::BandArgs {
+                packed: &packed,
+                scales: &scales,
+                biases: &biases,
+                ty: st,
+                group,
+                rows,
+                cols,
+                tokens,
+                xq: &ba.xq[xs.clone()],
+                block_d: &ba.lane_d[ds.clone()],
+                xsum: &xsum[gs.clone()],
+            };
+            x86::q4_band_rows(&args, &mut got[t..], n);
+            let args = x86::TiledArgs {
+                data: &tiles,
+                ty: st,
+                group,
+                rows,
+                cols,
+                tokens,
+                xq: &ta.xq[xs],
+                block_d: &ta.lane_d[ds],
+                xsum: &xsum[gs],
+            };
+            x86::q4_tiled_rows(&args, &mut want[t..], n);
+            t += tokens;
+        }
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.to_bits(), w.to_bits(), "row {} token {}: {g} vs {w}", i / n, i % n);
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 60, ..ProptestConfig::default() })]
+        #[test]
+        fn row_major_bands_give_the_tiled_kernels_bits(
+            bands in 1usize..6,
+            groups in 1usize..9,
+            group in prop::sample::select(vec![32usize, 64, 128]),
+            n in 1usize..10,
+            st in prop::sample::select(vec![FloatType::F32, FloatType::F16, FloatType::BF16]),
+            seed in any::<u64>(),
+        ) {
+            if q8::vnni_available() {
+                band_equals_tiled(bands, groups, group, n, st, seed);
+            }
+        }
+    }
+
     #[test]
     fn zero_and_extreme_activations() {
         let mut q = [0i8; BLOCK];

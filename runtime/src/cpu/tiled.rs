@@ -66,7 +66,8 @@ pub fn can_tile(q: &QuantMatrix<'_>) -> bool {
 
 /// Whether a matrix of `cols` columns, `bits`-bit in groups of `group`, can be tiled.
 pub fn tiles(bits: u32, group: usize, cols: usize) -> bool {
-    bits == 4 && group.is_multiple_of(BLOCK) && group > 0 && cols.is_multiple_of(group)
+    // Groups of at most 128 (MLX's largest): the row-major band kernel then gives a tiled matrix's bits.
+    bits == 4 && group.is_multiple_of(BLOCK) && (1..=128).contains(&group) && cols.is_multiple_of(group)
 }
 
 /// `q` repacked into tiles, or `None` when [`can_tile`] says no.

@@ -1156,3 +1156,240 @@ unsafe fn exp_avx2(v: __m256) -> __m256 {
     )));
     _mm256_andnot_ps(under, _mm256_mul_ps(q, two_k))
 }
+
+/// What [`q4_band_rows`] reads: a row-major 4-bit matrix (MLX's layout) from the task's first row.
+pub(super) struct BandArgs<'a> {
+    /// `rows` rows of `cols / 2` code bytes (byte `i`: column `2i` low nibble, `2i + 1` high).
+    pub packed: &'a [u8],
+    /// `rows × cols / group` scales and biases of type `ty`, row-major.
+    pub scales: &'a [u8],
+    pub biases: &'a [u8],
+    pub ty: super::FloatType,
+    pub group: usize,
+    /// A multiple of 16.
+    pub rows: usize,
+    /// A multiple of 32.
+    pub cols: usize,
+    pub tokens: usize,
+    /// Per token, each 128-column chunk's activations (and the last, shorter one's) as its even columns then
+    /// its odd ones.
+    pub xq: &'a [i8],
+    pub block_d: &'a [f32],
+    pub xsum: &'a [f32],
+}
+
+/// [`q4_tiled_rows`]' arithmetic on a row-major matrix, so both give the same bits: 16 rows at a time, each
+/// row's 64 code bytes of a 128-column step loaded whole and transposed in registers so that each lane of
+/// `vpdpbusd` sums one row's 32-column block; then, per row, the same multiply-add chain over blocks (group
+/// scale × block scale) and over groups (bias × Σx) in the same order. Records read from disk are computed
+/// this way as stored, without a pass that rewrites them into tiles.
+pub(super) fn q4_band_rows(a: &BandArgs<'_>, out: &mut [f32], ostride: usize) {
+    let (groups, blocks) = (a.cols / a.group, a.cols / 32);
+    let size = a.ty.size();
+    assert!(
+        a.group.is_multiple_of(32) && a.cols.is_multiple_of(a.group),
+        "band shape"
+    );
+    assert!(a.rows.is_multiple_of(16), "whole bands");
+    assert!(
+        a.packed.len() >= a.rows * a.cols / 2
+            && a.scales.len() >= a.rows * groups * size
+            && a.biases.len() >= a.rows * groups * size,
+        "band bounds"
+    );
+    assert!(
+        (1..=4).contains(&a.tokens)
+            && a.xq.len() >= a.tokens * a.cols
+            && a.block_d.len() >= a.tokens * blocks
+            && a.xsum.len() >= a.tokens * groups,
+        "activation bounds"
+    );
+    assert!(
+        ostride >= a.tokens && (a.rows == 0 || out.len() >= (a.rows - 1) * ostride + a.tokens),
+        "output bounds"
+    );
+    assert!(super::q8::vnni_available(), "AVX-512 VNNI");
+    // SAFETY: AVX-512 F/BW/VL/VNNI detected above; the asserts bound every read (whole bands of `rows` rows
+    // of codes, scales and biases; `tokens` rows of activations, block scales and group sums) and every
+    // write (row < rows, token < tokens at row·ostride + token); prefetches never fault.
+    unsafe {
+        use super::FloatType as F;
+        match (a.ty, a.tokens) {
+            (F::F32, 4) => q4_band::<TY_F32, 4>(a, out, ostride),
+            (F::F16, 4) => q4_band::<TY_F16, 4>(a, out, ostride),
+            (F::BF16, 4) => q4_band::<TY_BF16, 4>(a, out, ostride),
+            (ty, t) => {
+                for t in 0..t {
+                    let one = BandArgs {
+                        tokens: 1,
+                        xq: &a.xq[t * a.cols..],
+                        block_d: &a.block_d[t * blocks..],
+                        xsum: &a.xsum[t * groups..],
+                        ..*a
+                    };
+                    match ty {
+                        F::F32 => q4_band::<TY_F32, 1>(&one, &mut out[t..], ostride),
+                        F::F16 => q4_band::<TY_F16, 1>(&one, &mut out[t..], ostride),
+                        F::BF16 => q4_band::<TY_BF16, 1>(&one, &mut out[t..], ostride),
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Band `r0 .. r0 + 16`'s scales and biases as f32, group `g` at `params[32g ..]` (16 scales, one per row,
+/// then 16 biases): 16 groups at a time, each row's loaded and converted in one masked load, then transposed.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn band_params<const TY: u8>(a: &BandArgs<'_>, r0: usize, params: &mut [f32]) {
+    let (groups, size) = (a.cols / a.group, a.ty.size());
+    for (half, src) in [a.scales, a.biases].into_iter().enumerate() {
+        let mut g = 0;
+        while g < groups {
+            let count = (groups - g).min(16);
+            let mut r: [__m512i; 16] = std::array::from_fn(|l| {
+                _mm512_castps_si512(load_scales::<TY>(
+                    src.as_ptr().add(((r0 + l) * groups + g) * size),
+                    count,
+                ))
+            });
+            transpose_16x16(&mut r);
+            for (j, v) in r.iter().take(count).enumerate() {
+                _mm512_storeu_ps(
+                    params.as_mut_ptr().add(32 * (g + j) + 16 * half),
+                    _mm512_castsi512_ps(*v),
+                );
+            }
+            g += count;
+        }
+    }
+}
+
+/// Transposes 16 rows of 16 dwords: `r[l]` dword `j` goes to `r[j]` lane `l`.
+#[target_feature(enable = "avx512f")]
+unsafe fn transpose_16x16(r: &mut [__m512i; 16]) {
+    let mut t = [_mm512_setzero_si512(); 16];
+    for i in 0..8 {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    // u[4q + k], per 128-bit lane c: dword 4c + k of rows 4q .. 4q + 4.
+    let mut u = [_mm512_setzero_si512(); 16];
+    for q in 0..4 {
+        let (a, b, c, d) = (t[4 * q], t[4 * q + 1], t[4 * q + 2], t[4 * q + 3]);
+        u[4 * q] = _mm512_unpacklo_epi64(a, c);
+        u[4 * q + 1] = _mm512_unpackhi_epi64(a, c);
+        u[4 * q + 2] = _mm512_unpacklo_epi64(b, d);
+        u[4 * q + 3] = _mm512_unpackhi_epi64(b, d);
+    }
+    for k in 0..4 {
+        let v = _mm512_shuffle_i32x4::<0x88>(u[k], u[4 + k]);
+        let w = _mm512_shuffle_i32x4::<0xdd>(u[k], u[4 + k]);
+        let v2 = _mm512_shuffle_i32x4::<0x88>(u[8 + k], u[12 + k]);
+        let w2 = _mm512_shuffle_i32x4::<0xdd>(u[8 + k], u[12 + k]);
+        r[k] = _mm512_shuffle_i32x4::<0x88>(v, v2);
+        r[8 + k] = _mm512_shuffle_i32x4::<0xdd>(v, v2);
+        r[4 + k] = _mm512_shuffle_i32x4::<0x88>(w, w2);
+        r[12 + k] = _mm512_shuffle_i32x4::<0xdd>(w, w2);
+    }
+}
+
+/// One step's block sums for 16 rows against each of `T` tokens' activations (`xs[t]`: the step's even
+/// columns, then its odd ones `half` bytes on; `bytes`: the mask of each row's code bytes in the step, all 64
+/// but in a last, shorter step), one vector per token and block with lane `l` for row `l`. Each row's code
+/// bytes, split into nibbles once for all tokens, meet `vpdpbusd` whole (lane `4b + k`: 8 columns of block
+/// `b`); runs of four lanes are then summed (exact integer adds, two pairing stages: rows in pairs, then
+/// pairs in quads) and the quads' 128-bit lanes transposed 4×4.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn band_step_sums<const T: usize>(
+    rows: *const u8,
+    row_bytes: usize,
+    bytes: u64,
+    xs: [*const i8; T],
+    half: usize,
+) -> [[__m512i; 4]; T] {
+    let m = _mm512_set1_epi8(0x0f);
+    let pair = |a: __m512i, b: __m512i| _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    // quads[q][t], lane c: block c of rows 4q .. 4q + 4 against token t.
+    let quads: [[__m512i; T]; 4] = std::array::from_fn(|q| {
+        let codes: [(__m512i, __m512i); 4] = std::array::from_fn(|i| {
+            let v = _mm512_maskz_loadu_epi8(bytes, rows.add((4 * q + i) * row_bytes) as *const i8);
+            (_mm512_and_si512(v, m), _mm512_and_si512(_mm512_srli_epi16::<4>(v), m))
+        });
+        xs.map(|x| {
+            let (xl, xh) = (
+                _mm512_maskz_loadu_epi8(bytes, x),
+                _mm512_maskz_loadu_epi8(bytes, x.add(half)),
+            );
+            let dot = |(lo, hi): (__m512i, __m512i)| {
+                _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl), hi, xh)
+            };
+            let (p0, p1) = (pair(dot(codes[0]), dot(codes[1])), pair(dot(codes[2]), dot(codes[3])));
+            _mm512_add_epi32(_mm512_unpacklo_epi64(p0, p1), _mm512_unpackhi_epi64(p0, p1))
+        })
+    });
+    let quads: [[__m512i; 4]; T] = std::array::from_fn(|t| quads.map(|q| q[t]));
+    quads.map(|quads| {
+        let v = _mm512_shuffle_i32x4::<0x88>(quads[0], quads[1]);
+        let w = _mm512_shuffle_i32x4::<0xdd>(quads[0], quads[1]);
+        let v2 = _mm512_shuffle_i32x4::<0x88>(quads[2], quads[3]);
+        let w2 = _mm512_shuffle_i32x4::<0xdd>(quads[2], quads[3]);
+        [
+            _mm512_shuffle_i32x4::<0x88>(v, v2),
+            _mm512_shuffle_i32x4::<0x88>(w, w2),
+            _mm512_shuffle_i32x4::<0xdd>(v, v2),
+            _mm512_shuffle_i32x4::<0xdd>(w, w2),
+        ]
+    })
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q4_band<const TY: u8, const T: usize>(a: &BandArgs<'_>, out: &mut [f32], ostride: usize) {
+    let (groups, blocks, per_group) = (a.cols / a.group, a.cols / 32, a.group / 32);
+    let row_bytes = a.cols / 2;
+    let (xq, bd, xs) = (a.xq.as_ptr(), a.block_d.as_ptr(), a.xsum.as_ptr());
+    // One band's scales and biases as 16-row vectors, group by group.
+    let mut params = vec![0f32; 2 * 16 * groups];
+    for band in 0..a.rows / 16 {
+        let r0 = band * 16;
+        band_params::<TY>(a, r0, &mut params);
+        let mut acc = [_mm512_setzero_ps(); T];
+        let mut bacc = [_mm512_setzero_ps(); T];
+        let base = a.packed.as_ptr().add(r0 * row_bytes);
+        let mut s = _mm512_setzero_ps();
+        for step in 0..a.cols.div_ceil(128) {
+            // Columns in this step: 128, or 32, 64 or 96 in a last one.
+            let width = (a.cols - 128 * step).min(128);
+            let bytes = u64::MAX >> (64 - width / 2);
+            // The bytes two bands ahead (16 streams are more than the hardware prefetcher follows); into L2:
+            // into L1 was 30-40% slower.
+            let next = base.wrapping_add(32 * row_bytes + 64 * step);
+            for l in 0..16 {
+                _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(l * row_bytes) as *const i8);
+            }
+            let tokens: [*const i8; T] = std::array::from_fn(|t| xq.add(t * a.cols + 128 * step));
+            let isums = band_step_sums::<T>(base.add(64 * step), row_bytes, bytes, tokens, width / 2);
+            for (b, blk) in (0..width / 32).map(|b| (b, 4 * step + b)) {
+                if blk.is_multiple_of(per_group) {
+                    let g = blk / per_group;
+                    s = _mm512_loadu_ps(params.as_ptr().add(32 * g));
+                    let bias = _mm512_loadu_ps(params.as_ptr().add(32 * g + 16));
+                    for (t, ba) in bacc.iter_mut().enumerate() {
+                        *ba = _mm512_fmadd_ps(bias, _mm512_set1_ps(*xs.add(t * groups + g)), *ba);
+                    }
+                }
+                for (t, ac) in acc.iter_mut().enumerate() {
+                    let f = _mm512_mul_ps(s, _mm512_set1_ps(*bd.add(t * blocks + blk)));
+                    *ac = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isums[t][b]), f, *ac);
+                }
+            }
+        }
+        for (t, (ac, ba)) in acc.iter().zip(&bacc).enumerate() {
+            let mut lanes = [0f32; 16];
+            _mm512_storeu_ps(lanes.as_mut_ptr(), _mm512_add_ps(*ac, *ba));
+            for (l, v) in lanes.iter().enumerate() {
+                *out.get_unchecked_mut((r0 + l) * ostride + t) = *v;
+            }
+        }
+    }
+}
