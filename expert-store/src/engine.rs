@@ -85,12 +85,15 @@ struct Entry {
     bytes: usize,
     /// The pass in which a fetch (or a guess) last asked for it.
     last_pass: u64,
+    /// Whether its slot holds the record as the table's transform rewrote it (else as read).
+    rewritten: bool,
 }
 
 struct Job {
     key: Key,
     buf: Arc<SlotBuf>,
     prefetch: bool,
+    rewrite: bool,
 }
 
 #[derive(Default)]
@@ -232,6 +235,8 @@ impl Entries {
 struct State {
     entries: Entries,
     free: Vec<Arc<SlotBuf>>,
+    /// Whether guesses are rewritten: as the latest fetch's reads are (a prompt's chunk's guesses serve it).
+    rewrite_guesses: bool,
 }
 
 struct Inner {
@@ -297,6 +302,7 @@ impl StreamingSource {
             state: Mutex::new(State {
                 entries: Entries::new(layer_cycle),
                 free,
+                rewrite_guesses: true,
             }),
             arrived: Condvar::new(),
             queue: Mutex::new(Queue {
@@ -471,9 +477,19 @@ impl Inner {
         }
     }
 
-    fn submit(&self, st: &mut State, key: Key, buf: Arc<SlotBuf>, prefetch: bool) -> Result<(), StoreError> {
+    /// Queues the read of `key` into `buf`, rewritten by the table's transform when `rewrite` (and it has one).
+    fn submit(
+        &self,
+        st: &mut State,
+        key: Key,
+        buf: Arc<SlotBuf>,
+        prefetch: bool,
+        rewrite: bool,
+    ) -> Result<(), StoreError> {
         debug_assert!(!st.entries.contains(&key), "second read of {key:?}");
-        let bytes = self.layout(key)?.read_len();
+        let layout = self.layout(key)?;
+        let bytes = layout.read_len();
+        let rewrite = rewrite && self.table.transform().is_some() && layout.rewritten.is_some();
         let last_pass = st.entries.pass;
         st.entries.put(
             key,
@@ -483,10 +499,16 @@ impl Inner {
                 waiters: usize::from(!prefetch),
                 bytes,
                 last_pass,
+                rewritten: rewrite,
             },
         );
         let mut q = lock(&self.queue);
-        let job = Job { key, buf, prefetch };
+        let job = Job {
+            key,
+            buf,
+            prefetch,
+            rewrite,
+        };
         if prefetch {
             q.prefetch.push_back(job);
         } else {
@@ -568,7 +590,12 @@ impl Inner {
                     q = self.work.wait(q).unwrap_or_else(|e| e.into_inner());
                 }
             };
-            let Job { key, mut buf, prefetch } = job;
+            let Job {
+                key,
+                mut buf,
+                prefetch,
+                rewrite,
+            } = job;
             let started = {
                 let mut q = lock(&self.queue);
                 let now = Instant::now();
@@ -579,7 +606,7 @@ impl Inner {
                 now
             };
             let cpu = crate::platform::thread_cpu_time();
-            let result = self.load(key, &mut buf, &mut scratch);
+            let result = self.load(key, &mut buf, &mut scratch, rewrite);
             let took = started.elapsed();
             add_cpu_since(&self.counters.read_cpu_ns, cpu);
             {
@@ -627,9 +654,9 @@ impl Inner {
         }
     }
 
-    /// Fills `buf` with record `key` (rewritten by the table's transform, through `scratch`); returns the bytes
-    /// read or a message naming the record and file.
-    fn load(&self, key: Key, buf: &mut Arc<SlotBuf>, scratch: &mut Vec<u8>) -> Result<usize, String> {
+    /// Fills `buf` with record `key` (rewritten by the table's transform through `scratch` when `rewrite`);
+    /// returns the bytes read or a message naming the record and file.
+    fn load(&self, key: Key, buf: &mut Arc<SlotBuf>, scratch: &mut Vec<u8>, rewrite: bool) -> Result<usize, String> {
         let (layer, expert) = key;
         let fail = |what: String| format!("expert record layer {layer} expert {expert}: {what}");
         let layout = self.layout(key).map_err(|e| fail(e.to_string()))?;
@@ -661,7 +688,7 @@ impl Inner {
                 )));
             }
         }
-        if let (Some(t), Some(to)) = (self.table.transform(), &layout.rewritten) {
+        if let (true, Some(t), Some(to)) = (rewrite, self.table.transform(), &layout.rewritten) {
             scratch.clear();
             scratch.extend_from_slice(&slot[..layout.slot_len()]);
             t.apply(layer, scratch, &layout.parts, slot, to).map_err(fail)?;
@@ -676,9 +703,16 @@ impl Inner {
         self.arrived.wait(st).unwrap_or_else(|e| e.into_inner())
     }
 
-    fn record_of(&self, key: Key, buf: &Arc<SlotBuf>) -> Result<ExpertRecord, StoreError> {
+    /// The record in `buf`, as rewritten (`rewritten`) or as read.
+    fn record_of(&self, key: Key, buf: &Arc<SlotBuf>, rewritten: bool) -> Result<ExpertRecord, StoreError> {
         let whole = OwnedBytes::new(Arc::clone(buf) as Arc<dyn AsRef<[u8]> + Send + Sync>);
-        let parts = (self.layout(key)?.loaded_parts().iter())
+        let layout = self.layout(key)?;
+        let places = if rewritten {
+            layout.loaded_parts()
+        } else {
+            &layout.parts
+        };
+        let parts = (places.iter())
             .map(|&(off, len)| whole.slice(off..off + len))
             .collect::<Option<Vec<_>>>()
             .ok_or_else(|| StoreError::Engine("record part outside its slot".into()))?;
@@ -719,6 +753,8 @@ struct LayerFetch<'a> {
     unsubmitted: VecDeque<usize>,
     /// (position, earlier position asking for the same expert): served with that position's record.
     duplicates: Vec<(usize, usize)>,
+    /// Whether the records this fetch reads are rewritten by the table's transform.
+    rewrite: bool,
 }
 
 impl LayerFetch<'_> {
@@ -748,7 +784,7 @@ impl LayerFetch<'_> {
                         if std::mem::take(&mut e.unused_prefetch) {
                             inner.counters.prefetch_hits.fetch_add(1, Relaxed);
                         }
-                        let rec = inner.record_of(key, b)?;
+                        let rec = inner.record_of(key, b, e.rewritten)?;
                         self.unsubmitted.pop_front();
                         self.queue_duplicates(pos, &rec);
                         self.ready.push((pos, rec));
@@ -774,7 +810,7 @@ impl LayerFetch<'_> {
                 break;
             };
             self.unsubmitted.pop_front();
-            inner.submit(st, key, buf, false)?;
+            inner.submit(st, key, buf, false, self.rewrite)?;
             self.waiting.push(pos);
         }
         Ok(())
@@ -792,18 +828,22 @@ impl LayerFetch<'_> {
             let mut found = None;
             for (i, &pos) in self.waiting.iter().enumerate() {
                 let key = (self.layer, self.experts[pos]);
-                match st.entries.get_mut(&key).map(|e| (&e.state, &mut e.waiters)) {
-                    Some((SlotState::Ready(b), waiters)) => {
+                match st
+                    .entries
+                    .get_mut(&key)
+                    .map(|e| (&e.state, &mut e.waiters, e.rewritten))
+                {
+                    Some((SlotState::Ready(b), waiters, rewritten)) => {
                         *waiters = waiters.saturating_sub(1);
-                        found = Some((i, Arrival::Ready(inner.record_of(key, b)?)));
+                        found = Some((i, Arrival::Ready(inner.record_of(key, b, rewritten)?)));
                         break;
                     }
-                    Some((SlotState::Failed(msg), _)) => {
+                    Some((SlotState::Failed(msg), _, _)) => {
                         found = Some((i, Arrival::Failed(msg.clone())));
                         st.entries.pop(&key);
                         break;
                     }
-                    Some((SlotState::Loading, _)) => {}
+                    Some((SlotState::Loading, _, _)) => {}
                     // Cannot happen (loading entries are never evicted); request it again rather than hang.
                     None => {
                         found = Some((i, Arrival::Lost));
@@ -877,10 +917,11 @@ impl LayerFetch<'_> {
                 Some(Entry {
                     state: SlotState::Ready(b),
                     waiters,
+                    rewritten,
                     ..
                 }) => {
                     *waiters = waiters.saturating_sub(1);
-                    let rec = inner.record_of(key, b)?;
+                    let rec = inner.record_of(key, b, *rewritten)?;
                     let pos = self.waiting.swap_remove(i);
                     self.queue_duplicates(pos, &rec);
                     self.ready.push((pos, rec));
@@ -934,6 +975,15 @@ impl ExpertSource for StreamingSource {
     }
 
     fn fetch_layer<'a>(&'a self, layer: usize, experts: &[usize]) -> Result<Box<dyn ExpertFetch + 'a>, StoreError> {
+        self.fetch_layer_rewriting(layer, experts, true)
+    }
+
+    fn fetch_layer_rewriting<'a>(
+        &'a self,
+        layer: usize,
+        experts: &[usize],
+        rewrite: bool,
+    ) -> Result<Box<dyn ExpertFetch + 'a>, StoreError> {
         let inner = &*self.inner;
         for &e in experts {
             inner.layout((layer, e))?;
@@ -946,9 +996,11 @@ impl ExpertSource for StreamingSource {
             waiting: Vec::new(),
             unsubmitted: VecDeque::new(),
             duplicates: Vec::new(),
+            rewrite,
         };
         let c = &inner.counters;
         let mut st = lock(&inner.state);
+        st.rewrite_guesses = rewrite;
         inner.cancel_prefetches(&mut st, layer, experts);
         st.entries
             .begin_fetch(layer, experts.len() * 4 <= inner.table.num_experts(layer));
@@ -973,7 +1025,7 @@ impl ExpertSource for StreamingSource {
                         SlotState::Ready(b) => {
                             let b = Arc::clone(b);
                             c.hits.fetch_add(1, Relaxed);
-                            f.ready.push((pos, inner.record_of(key, &b)?));
+                            f.ready.push((pos, inner.record_of(key, &b, entry.rewritten)?));
                         }
                         SlotState::Loading => {
                             entry.waiters += 1;
@@ -1018,7 +1070,8 @@ impl ExpertSource for StreamingSource {
             let Some(buf) = inner.take_slot(&mut st, key, true) else {
                 break;
             };
-            if inner.submit(&mut st, key, buf, true).is_ok() {
+            let rewrite = st.rewrite_guesses;
+            if inner.submit(&mut st, key, buf, true, rewrite).is_ok() {
                 inner.counters.prefetch_issued.fetch_add(1, Relaxed);
             }
         }

@@ -40,6 +40,21 @@ pub trait ExpertSource: Send + Sync {
         }))
     }
 
+    /// [`fetch_layer`](Self::fetch_layer) (which rewrites), saying whether the records it reads get the
+    /// table's rewrite ([`RecordTransform`](crate::RecordTransform)): a rewritten record is told apart by its
+    /// parts. Records already cached keep the layout they were read in; guesses ([`prefetch`](Self::prefetch))
+    /// made after it are read the same way. Sources without a rewrite ignore `rewrite`; sources that wrap
+    /// another must pass it on.
+    fn fetch_layer_rewriting<'a>(
+        &'a self,
+        layer: usize,
+        experts: &[usize],
+        rewrite: bool,
+    ) -> Result<Box<dyn ExpertFetch + 'a>, StoreError> {
+        let _ = rewrite;
+        self.fetch_layer(layer, experts)
+    }
+
     /// Hints that `experts` of `layer` will probably be needed soon (read on idle I/O capacity if useful).
     fn prefetch(&self, _layer: usize, _experts: &[usize]) {}
 

@@ -46,6 +46,15 @@ impl ExpertSource for TracingSource {
     }
 
     fn fetch_layer<'a>(&'a self, layer: usize, experts: &[usize]) -> Result<Box<dyn ExpertFetch + 'a>, StoreError> {
+        self.fetch_layer_rewriting(layer, experts, true)
+    }
+
+    fn fetch_layer_rewriting<'a>(
+        &'a self,
+        layer: usize,
+        experts: &[usize],
+        rewrite: bool,
+    ) -> Result<Box<dyn ExpertFetch + 'a>, StoreError> {
         {
             let mut log = self.log.lock().unwrap_or_else(|e| e.into_inner());
             for (i, &e) in experts.iter().enumerate() {
@@ -54,7 +63,7 @@ impl ExpertSource for TracingSource {
                 }
             }
         }
-        self.inner.fetch_layer(layer, experts)
+        self.inner.fetch_layer_rewriting(layer, experts, rewrite)
     }
 
     fn prefetch(&self, layer: usize, experts: &[usize]) {

@@ -172,11 +172,18 @@ pub struct SparseMoe<B: Backend> {
     pub inter: usize,
     /// How a record's parts form the gate, up and down projections.
     pub layout: ExpertLayout,
+    /// The layout of records the store rewrote as they loaded (the cpu backend's tiles), told apart from
+    /// stored ones by their part count; `None`: records come as stored.
+    pub rewritten: Option<ExpertLayout>,
     /// Where expert records come from.
     pub experts: Arc<dyn ExpertSource>,
     /// An always-on expert added to the routed sum (Qwen3-Next, Qwen3.5), resident in RAM.
     pub shared: Option<SharedExpert<B>>,
 }
+
+/// Mean tokens per requested expert from which a layer's reads are rewritten (tiled) as they load: a prompt's
+/// chunk, not a decode step (one token) or a short prompt.
+pub const REWRITE_MIN_USES: usize = 4;
 
 impl<B: Backend> SparseMoe<B> {
     /// Routes each of the rows of `x` to `ks[row]` experts and sums their weighted outputs (plus the shared
@@ -198,7 +205,12 @@ impl<B: Backend> SparseMoe<B> {
         // The one host sync of the layer: the ids decide what to read.
         let logits = be.to_host(&be.matmul(&self.router, x)?)?;
         let plan = RoutePlan::new(self.kind, &logits, self.num_experts, ks);
-        let mut fetch = self.experts.fetch_layer(self.layer, &plan.used)?;
+        // Records this pass reads (and the guesses made after it) are rewritten (tiled) only when each serves
+        // several tokens here (a prompt's chunk): the rewrite costs its I/O thread about a millisecond per
+        // 2.5 MB record, and computed as stored a record gives the same bits (README, "Performance").
+        let routes: usize = plan.users.iter().map(|u| u.len()).sum();
+        let rewrite = routes >= REWRITE_MIN_USES * plan.used.len().max(1);
+        let mut fetch = (self.experts).fetch_layer_rewriting(self.layer, &plan.used, rewrite)?;
         // Guessed after this layer's reads are queued, so the guess never delays them.
         for (layer, experts) in prefetch()? {
             self.experts.prefetch(layer, &experts);
@@ -209,8 +221,12 @@ impl<B: Backend> SparseMoe<B> {
             let mut positions = Vec::with_capacity(batch.len());
             let mut jobs = Vec::with_capacity(batch.len());
             for (pos, rec) in &batch {
+                let layout = match &self.rewritten {
+                    Some(r) if rec.parts.len() == r.record_parts() => r,
+                    _ => &self.layout,
+                };
                 jobs.push(ExpertJob {
-                    mats: be.expert(&self.layout, self.inter, self.hidden, rec)?,
+                    mats: be.expert(layout, self.inter, self.hidden, rec)?,
                     x: be.gather_rows(x, &plan.users[*pos])?,
                 });
                 positions.push(*pos);
@@ -311,6 +327,7 @@ mod tests {
                 formats: [f; 3],
                 fused: false,
             },
+            rewritten: None,
             experts: Arc::new(src),
             shared: None,
         }

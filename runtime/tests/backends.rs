@@ -149,10 +149,18 @@ impl ExpertSource for FailLayer {
         self.inner.read_expert(layer, expert)
     }
     fn fetch_layer<'a>(&'a self, layer: usize, experts: &[usize]) -> Result<Box<dyn ExpertFetch + 'a>, StoreError> {
+        self.fetch_layer_rewriting(layer, experts, true)
+    }
+    fn fetch_layer_rewriting<'a>(
+        &'a self,
+        layer: usize,
+        experts: &[usize],
+        rewrite: bool,
+    ) -> Result<Box<dyn ExpertFetch + 'a>, StoreError> {
         if layer == self.layer && self.armed.load(Ordering::SeqCst) {
             return Err(StoreError::Engine(format!("injected failure in layer {layer}")));
         }
-        self.inner.fetch_layer(layer, experts)
+        self.inner.fetch_layer_rewriting(layer, experts, rewrite)
     }
     fn prefetch(&self, layer: usize, experts: &[usize]) {
         self.inner.prefetch(layer, experts)

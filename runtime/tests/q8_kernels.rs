@@ -292,9 +292,24 @@ fn trained_perplexity_stays_within_half_a_percent_of_mlx_lm() {
     }
 }
 
-/// Expert records tiled as they load give the same logits resident and streamed through a small cache (in
-/// place and from a packed store, buffered and direct), bit for bit, on every 4-bit MoE fixture. (That they
-/// hold the stored weights is `tests/tiled_experts.rs`.)
+/// The logits of a 48-token prompt (many tokens per expert: its reads are tiled when they stream), then of
+/// three decode steps (one token: read as stored).
+fn long_prompt_then_decode(m: &sluice_runtime::DecoderModel) -> Vec<f32> {
+    let mut cache = m.new_cache();
+    let vocab = m.info.vocab_size as u32;
+    let prompt: Vec<u32> = (0..48).map(|i| (i * 53 + 11) % vocab).collect();
+    let opts = sluice_runtime::ForwardOptions::default();
+    let mut out = m.forward(&prompt, &mut cache, &opts).unwrap();
+    for t in 0..3 {
+        out.extend(m.forward(&[(t * 97 + 3) % vocab], &mut cache, &opts).unwrap());
+    }
+    out
+}
+
+/// Resident expert records, tiled as they load, and records streamed through a small cache (in place and from
+/// a packed store, buffered and direct) give the same logits bit for bit on every 4-bit MoE fixture, whether
+/// the stream reads them as stored (decode steps, short prompts: the row-major band kernel computes them) or
+/// tiled (a long prompt's chunk). (That tiles hold the stored weights is `tests/tiled_experts.rs`.)
 #[test]
 fn tiled_expert_records_stream_equal_to_resident() {
     use sluice_runtime::config::ModelConfig;
@@ -322,7 +337,7 @@ fn tiled_expert_records_stream_equal_to_resident() {
         tiled += 1;
         let store = tmp.path().join(format!("store{tiled}"));
         convert_model(&dir, &store, false, &|_, _| {}).unwrap();
-        let want = common::prompt_logits(&resident);
+        let want = (common::prompt_logits(&resident), long_prompt_then_decode(&resident));
         for (path, io) in [
             (&dir, IoMode::Buffered),
             (&dir, IoMode::Direct),
@@ -330,10 +345,18 @@ fn tiled_expert_records_stream_equal_to_resident() {
         ] {
             let m = load(path, ExpertMode::Stream, Some(256 << 10), io);
             assert!(m.info.tiled_experts);
-            let got = common::prompt_logits(&m);
-            assert!(
-                got.iter().map(|x| x.to_bits()).eq(want.iter().map(|x| x.to_bits())),
-                "{}: streamed ({io:?}) differs from resident",
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let got = (common::prompt_logits(&m), long_prompt_then_decode(&m));
+            assert_eq!(
+                bits(&got.0),
+                bits(&want.0),
+                "{}: streamed ({io:?}) differs",
+                path.display()
+            );
+            assert_eq!(
+                bits(&got.1),
+                bits(&want.1),
+                "{}: streamed ({io:?}) differs",
                 path.display()
             );
         }

@@ -202,6 +202,15 @@ impl ExpertSource for TwinSource {
         self.inner.fetch_layer(layer, &self.map(experts))
     }
 
+    fn fetch_layer_rewriting<'a>(
+        &'a self,
+        layer: usize,
+        experts: &[usize],
+        rewrite: bool,
+    ) -> Result<Box<dyn ExpertFetch + 'a>, StoreError> {
+        self.inner.fetch_layer_rewriting(layer, &self.map(experts), rewrite)
+    }
+
     fn counters(&self) -> Option<Arc<StoreCounters>> {
         self.inner.counters()
     }

@@ -793,6 +793,55 @@ fn a_transform_rewrites_each_record_after_its_checksum_passes() {
     );
 }
 
+/// A fetch says whether its reads get the rewrite; a cached record keeps the layout it was read in, and guesses
+/// are read as the latest fetch's reads are.
+#[test]
+fn each_read_is_rewritten_or_not_as_its_fetch_asks() {
+    let (t, _file) = table();
+    let t = t.with_transform(Arc::new(SwapParts { fails: usize::MAX })).unwrap();
+    let src = StreamingSource::new(t, &options(EXPERTS as u64 * SLOT, 2)).unwrap();
+    // Whether `rec`, expert `expert`'s record, came rewritten (parts swapped and reversed) or as stored.
+    let rewritten = |expert: usize, rec: &ExpertRecord| {
+        let want = record_bytes(LAYER, expert);
+        let parts: Vec<Vec<u8>> = rec.parts.iter().map(|p| p.to_vec()).collect();
+        if parts == [want[..SPLIT].to_vec(), want[SPLIT..].to_vec()] {
+            return false;
+        }
+        let back: Vec<Vec<u8>> = parts.iter().map(|p| p.iter().rev().copied().collect()).collect();
+        assert_eq!(
+            back,
+            [want[..SPLIT].to_vec(), want[SPLIT..].to_vec()],
+            "expert {expert}: wrong bytes"
+        );
+        true
+    };
+    let fetch = |experts: &[usize], rewrite: bool| -> Vec<bool> {
+        let mut f = src.fetch_layer_rewriting(LAYER, experts, rewrite).unwrap();
+        let mut got = vec![None; experts.len()];
+        while let Some(r) = f.next_ready() {
+            let (pos, rec) = r.unwrap();
+            got[pos] = Some(rewritten(experts[pos], &rec));
+        }
+        got.into_iter().map(Option::unwrap).collect()
+    };
+    assert_eq!(fetch(&[0, 1], false), [false, false]);
+    assert_eq!(fetch(&[2, 0], true), [true, false], "a cached record keeps its layout");
+    src.prefetch(LAYER, &[3]);
+    src.wait_idle();
+    assert_eq!(
+        fetch(&[3], false),
+        [true],
+        "a guess after a rewriting fetch is rewritten"
+    );
+    src.prefetch(LAYER, &[4]);
+    src.wait_idle();
+    assert_eq!(
+        fetch(&[4, 2, 1], true),
+        [false, true, false],
+        "a guess after a plain fetch is not"
+    );
+}
+
 /// Moves the second part past the end of the record.
 struct Overflow;
 

@@ -82,12 +82,9 @@ pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &Expe
     )?;
     let (source, memory_plan) = (opened.source, opened.plan);
     let tiles = tiles.filter(|_| opened.rewritten);
-    let layouts = match &tiles {
-        Some(t) => (arch.moe_layers().zip(layouts))
-            .map(|((l, _), f)| t.layout(l).unwrap_or(f))
-            .collect(),
-        None => layouts,
-    };
+    let rewritten = (arch.moe_layers())
+        .map(|(l, _)| tiles.as_ref().and_then(|t| t.layout(l)))
+        .collect();
     let d = &arch.dims;
     let info = ModelInfo {
         model_type: weights.config().model_type.clone(),
@@ -105,6 +102,7 @@ pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &Expe
         w: &weights,
         arch,
         layouts,
+        rewritten,
         source,
         info: info.clone(),
         prefetch: match opts.prefetch {
@@ -313,8 +311,9 @@ pub(crate) fn footprint(d: &DecoderDims, kv_bytes: u64) -> ModelFootprint {
 struct Parts<'a> {
     w: &'a Weights,
     arch: Architecture,
-    /// One per MoE layer, in layer order.
+    /// One per MoE layer, in layer order: records as stored, and as the store rewrites them (if it does).
     layouts: Vec<ExpertLayout>,
+    rewritten: Vec<Option<ExpertLayout>>,
     source: Arc<dyn ExpertSource>,
     info: ModelInfo,
     prefetch: PrefetchMode,
@@ -330,6 +329,7 @@ fn build_decoder<B: Backend>(be: B, p: Parts<'_>) -> Result<Model<B>> {
         w,
         arch,
         layouts,
+        rewritten,
         source,
         info,
         prefetch,
@@ -352,7 +352,7 @@ fn build_decoder<B: Backend>(be: B, p: Parts<'_>) -> Result<Model<B>> {
         output_gate: d.hybrid.is_some(),
         norm_offset: offset,
     };
-    let mut layouts = layouts.into_iter();
+    let mut layouts = layouts.into_iter().zip(rewritten);
     let mut layers = Vec::with_capacity(d.layers);
     for (i, p) in plans.iter().enumerate() {
         let base = format!("model.layers.{i}");
@@ -363,27 +363,33 @@ fn build_decoder<B: Backend>(be: B, p: Parts<'_>) -> Result<Model<B>> {
                 num_experts,
                 inter,
                 shared,
-            } => Ffn::Moe(SparseMoe {
-                router: be.matrix(&w.linear(&format!("{prefix}.gate"), *num_experts, d.hidden)?)?,
-                kind: d.router,
-                layer: i,
-                num_experts: *num_experts,
-                hidden: d.hidden,
-                inter: *inter,
-                layout: layouts.next().expect("one layout per MoE layer"),
-                experts: Arc::clone(&source),
-                shared: match shared {
-                    Some(si) => Some(SharedExpert {
-                        mlp: Mlp::load(&be, w, &format!("{prefix}.shared_expert"), d.hidden, *si)?,
-                        gate: if w.has(&format!("{prefix}.shared_expert_gate.weight")) {
-                            Some(be.matrix(&w.linear(&format!("{prefix}.shared_expert_gate"), 1, d.hidden)?)?)
-                        } else {
-                            None
-                        },
-                    }),
-                    None => None,
-                },
-            }),
+            } => {
+                let (stored, rewritten) = layouts.next().expect("one layout per MoE layer");
+                // Rewritten records are told apart by their part count (tiles: one part per matrix).
+                debug_assert!(rewritten.is_none_or(|r| r.record_parts() != stored.record_parts()));
+                Ffn::Moe(SparseMoe {
+                    router: be.matrix(&w.linear(&format!("{prefix}.gate"), *num_experts, d.hidden)?)?,
+                    kind: d.router,
+                    layer: i,
+                    num_experts: *num_experts,
+                    hidden: d.hidden,
+                    inter: *inter,
+                    layout: stored,
+                    rewritten,
+                    experts: Arc::clone(&source),
+                    shared: match shared {
+                        Some(si) => Some(SharedExpert {
+                            mlp: Mlp::load(&be, w, &format!("{prefix}.shared_expert"), d.hidden, *si)?,
+                            gate: if w.has(&format!("{prefix}.shared_expert_gate.weight")) {
+                                Some(be.matrix(&w.linear(&format!("{prefix}.shared_expert_gate"), 1, d.hidden)?)?)
+                            } else {
+                                None
+                            },
+                        }),
+                        None => None,
+                    },
+                })
+            }
         };
         let mixer = match &d.hybrid {
             Some(h) if h.linear[i] => Mixer::Linear(GatedDeltaNet::load(
