@@ -1179,9 +1179,9 @@ pub(super) struct BandArgs<'a> {
 }
 
 /// [`q4_tiled_rows`]' arithmetic on a row-major matrix, so both give the same bits: 16 rows at a time, each
-/// row's 64 code bytes of a 128-column step loaded whole and transposed in registers so that each lane of
-/// `vpdpbusd` sums one row's 32-column block; then, per row, the same multiply-add chain over blocks (group
-/// scale × block scale) and over groups (bias × Σx) in the same order. Records read from disk are computed
+/// row's 64 code bytes of a 128-column step meet `vpdpbusd` whole and runs of four lanes are summed into that
+/// row's 32-column block sums (see `band_step_sums`); then, per row, the same multiply-add chain over blocks
+/// (group scale × block scale) and over groups (bias × Σx) in the same order. Records read from disk are computed
 /// this way as stored, without a pass that rewrites them into tiles.
 pub(super) fn q4_band_rows(a: &BandArgs<'_>, out: &mut [f32], ostride: usize) {
     let (groups, blocks) = (a.cols / a.group, a.cols / 32);
