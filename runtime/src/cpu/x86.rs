@@ -792,6 +792,28 @@ unsafe fn quantize_blocks_avx512_impl(x: &[f32], q: &mut [i8], d: &mut [f32]) {
     }
 }
 
+/// The bounds both 4-bit int8 kernels ([`q4_tiled_rows`], [`q4_band_rows`]) check: 1–4 `tokens` rows of
+/// activations, block scales and group sums, and `rows` outputs per token at `row·ostride + token`.
+fn check_token_bounds(
+    tokens: usize,
+    cols: usize,
+    (xq, block_d, xsum): (&[i8], &[f32], &[f32]),
+    (groups, blocks): (usize, usize),
+    (out, ostride, rows): (&[f32], usize, usize),
+) {
+    assert!(
+        (1..=4).contains(&tokens)
+            && xq.len() >= tokens * cols
+            && block_d.len() >= tokens * blocks
+            && xsum.len() >= tokens * groups,
+        "activation bounds"
+    );
+    assert!(
+        ostride >= tokens && (rows == 0 || out.len() >= (rows - 1) * ostride + tokens),
+        "output bounds"
+    );
+}
+
 /// What the tiled 4-bit int8 kernel reads: tiles (see `super::tiled`), int8 activations in natural order with
 /// one scale per 32-column block, and per-token group sums.
 pub(super) struct TiledArgs<'a> {
@@ -819,16 +841,12 @@ pub(super) fn q4_tiled_rows(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) 
         "tile shape"
     );
     assert!(a.data.len() >= tiled_len(a.rows, a.cols, a.group, a.ty), "tile bounds");
-    assert!(
-        (1..=4).contains(&a.tokens)
-            && a.xq.len() >= a.tokens * a.cols
-            && a.block_d.len() >= a.tokens * blocks
-            && a.xsum.len() >= a.tokens * groups,
-        "activation bounds"
-    );
-    assert!(
-        ostride >= a.tokens && (a.rows == 0 || out.len() >= (a.rows - 1) * ostride + a.tokens),
-        "output bounds"
+    check_token_bounds(
+        a.tokens,
+        a.cols,
+        (a.xq, a.block_d, a.xsum),
+        (groups, blocks),
+        (out, ostride, a.rows),
     );
     assert!(super::q8::vnni_available(), "AVX-512 VNNI");
     use super::tiled::PANEL_TILES;
@@ -1197,16 +1215,12 @@ pub(super) fn q4_band_rows(a: &BandArgs<'_>, out: &mut [f32], ostride: usize) {
             && a.biases.len() >= a.rows * groups * size,
         "band bounds"
     );
-    assert!(
-        (1..=4).contains(&a.tokens)
-            && a.xq.len() >= a.tokens * a.cols
-            && a.block_d.len() >= a.tokens * blocks
-            && a.xsum.len() >= a.tokens * groups,
-        "activation bounds"
-    );
-    assert!(
-        ostride >= a.tokens && (a.rows == 0 || out.len() >= (a.rows - 1) * ostride + a.tokens),
-        "output bounds"
+    check_token_bounds(
+        a.tokens,
+        a.cols,
+        (a.xq, a.block_d, a.xsum),
+        (groups, blocks),
+        (out, ostride, a.rows),
     );
     assert!(super::q8::vnni_available(), "AVX-512 VNNI");
     // SAFETY: AVX-512 F/BW/VL/VNNI detected above; the asserts bound every read (whole bands of `rows` rows
