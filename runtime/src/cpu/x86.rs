@@ -1261,12 +1261,13 @@ unsafe fn band_params<const TY: u8>(a: &BandArgs<'_>, r0: usize, params: &mut [f
         let mut g = 0;
         while g < groups {
             let count = (groups - g).min(16);
-            let mut r: [__m512i; 16] = std::array::from_fn(|l| {
-                _mm512_castps_si512(load_scales::<TY>(
+            let mut r = [_mm512_setzero_si512(); 16];
+            for (l, v) in r.iter_mut().enumerate() {
+                *v = _mm512_castps_si512(load_scales::<TY>(
                     src.as_ptr().add(((r0 + l) * groups + g) * size),
                     count,
-                ))
-            });
+                ));
+            }
             transpose_16x16(&mut r);
             for (j, v) in r.iter().take(count).enumerate() {
                 _mm512_storeu_ps(
@@ -1314,6 +1315,8 @@ unsafe fn transpose_16x16(r: &mut [__m512i; 16]) {
 /// bytes, split into nibbles once for all tokens, meet `vpdpbusd` whole (lane `4b + k`: 8 columns of block
 /// `b`); runs of four lanes are then summed (exact integer adds, two pairing stages: rows in pairs, then
 /// pairs in quads) and the quads' 128-bit lanes transposed 4×4.
+// Index loops over fixed arrays: see the note on closures inside.
+#[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn band_step_sums<const T: usize>(
     rows: *const u8,
@@ -1322,41 +1325,52 @@ unsafe fn band_step_sums<const T: usize>(
     xs: [*const i8; T],
     half: usize,
 ) -> [[__m512i; 4]; T] {
-    let m = _mm512_set1_epi8(0x0f);
-    let pair = |a: __m512i, b: __m512i| _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
-    // quads[q][t], lane c: block c of rows 4q .. 4q + 4 against token t.
-    let quads: [[__m512i; T]; 4] = std::array::from_fn(|q| {
-        let codes: [(__m512i, __m512i); 4] = std::array::from_fn(|i| {
+    // Plain loops, no closures: a closure handed to `array::map`/`from_fn` (which lack this function's target
+    // features) is not inlined, and every intrinsic in it became a call (5× slower, measured).
+    let (m, zero) = (_mm512_set1_epi8(0x0f), _mm512_setzero_si512());
+    let (mut xl, mut xh) = ([zero; T], [zero; T]);
+    for t in 0..T {
+        xl[t] = _mm512_maskz_loadu_epi8(bytes, xs[t]);
+        xh[t] = _mm512_maskz_loadu_epi8(bytes, xs[t].add(half));
+    }
+    // quads[t][q], lane c: block c of rows 4q .. 4q + 4 against token t.
+    let mut quads = [[zero; 4]; T];
+    for q in 0..4 {
+        let (mut lo, mut hi) = ([zero; 4], [zero; 4]);
+        for i in 0..4 {
             let v = _mm512_maskz_loadu_epi8(bytes, rows.add((4 * q + i) * row_bytes) as *const i8);
-            (_mm512_and_si512(v, m), _mm512_and_si512(_mm512_srli_epi16::<4>(v), m))
-        });
-        xs.map(|x| {
-            let (xl, xh) = (
-                _mm512_maskz_loadu_epi8(bytes, x),
-                _mm512_maskz_loadu_epi8(bytes, x.add(half)),
-            );
-            let dot = |(lo, hi): (__m512i, __m512i)| {
-                _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl), hi, xh)
-            };
-            let (p0, p1) = (pair(dot(codes[0]), dot(codes[1])), pair(dot(codes[2]), dot(codes[3])));
-            _mm512_add_epi32(_mm512_unpacklo_epi64(p0, p1), _mm512_unpackhi_epi64(p0, p1))
-        })
-    });
-    let quads: [[__m512i; 4]; T] = std::array::from_fn(|t| quads.map(|q| q[t]));
-    quads.map(|quads| {
-        let v = _mm512_shuffle_i32x4::<0x88>(quads[0], quads[1]);
-        let w = _mm512_shuffle_i32x4::<0xdd>(quads[0], quads[1]);
-        let v2 = _mm512_shuffle_i32x4::<0x88>(quads[2], quads[3]);
-        let w2 = _mm512_shuffle_i32x4::<0xdd>(quads[2], quads[3]);
-        [
+            lo[i] = _mm512_and_si512(v, m);
+            hi[i] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), m);
+        }
+        for t in 0..T {
+            let mut d = [zero; 4];
+            for i in 0..4 {
+                d[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo[i], xl[t]), hi[i], xh[t]);
+            }
+            let p0 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[0], d[1]), _mm512_unpackhi_epi32(d[0], d[1]));
+            let p1 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[2], d[3]), _mm512_unpackhi_epi32(d[2], d[3]));
+            quads[t][q] = _mm512_add_epi32(_mm512_unpacklo_epi64(p0, p1), _mm512_unpackhi_epi64(p0, p1));
+        }
+    }
+    let mut sums = [[zero; 4]; T];
+    for t in 0..T {
+        let q = &quads[t];
+        let v = _mm512_shuffle_i32x4::<0x88>(q[0], q[1]);
+        let w = _mm512_shuffle_i32x4::<0xdd>(q[0], q[1]);
+        let v2 = _mm512_shuffle_i32x4::<0x88>(q[2], q[3]);
+        let w2 = _mm512_shuffle_i32x4::<0xdd>(q[2], q[3]);
+        sums[t] = [
             _mm512_shuffle_i32x4::<0x88>(v, v2),
             _mm512_shuffle_i32x4::<0x88>(w, w2),
             _mm512_shuffle_i32x4::<0xdd>(v, v2),
             _mm512_shuffle_i32x4::<0xdd>(w, w2),
-        ]
-    })
+        ];
+    }
+    sums
 }
 
+// Index loops over fixed arrays, no closures (see `band_step_sums`).
+#[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn q4_band<const TY: u8, const T: usize>(a: &BandArgs<'_>, out: &mut [f32], ostride: usize) {
     let (groups, blocks, per_group) = (a.cols / a.group, a.cols / 32, a.group / 32);
@@ -1381,20 +1395,38 @@ unsafe fn q4_band<const TY: u8, const T: usize>(a: &BandArgs<'_>, out: &mut [f32
             for l in 0..16 {
                 _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(l * row_bytes) as *const i8);
             }
-            let tokens: [*const i8; T] = std::array::from_fn(|t| xq.add(t * a.cols + 128 * step));
+            let mut tokens = [xq; T];
+            for (t, p) in tokens.iter_mut().enumerate() {
+                *p = xq.add(t * a.cols + 128 * step);
+            }
             let isums = band_step_sums::<T>(base.add(64 * step), row_bytes, bytes, tokens, width / 2);
-            for (b, blk) in (0..width / 32).map(|b| (b, 4 * step + b)) {
-                if blk.is_multiple_of(per_group) {
-                    let g = blk / per_group;
-                    s = _mm512_loadu_ps(params.as_ptr().add(32 * g));
-                    let bias = _mm512_loadu_ps(params.as_ptr().add(32 * g + 16));
-                    for (t, ba) in bacc.iter_mut().enumerate() {
-                        *ba = _mm512_fmadd_ps(bias, _mm512_set1_ps(*xs.add(t * groups + g)), *ba);
+            // Block `b` of the step: a group's scale and bias when it starts one, then the block's sums.
+            macro_rules! block {
+                ($b:expr) => {{
+                    let blk = 4 * step + $b;
+                    if blk.is_multiple_of(per_group) {
+                        let g = blk / per_group;
+                        s = _mm512_loadu_ps(params.as_ptr().add(32 * g));
+                        let bias = _mm512_loadu_ps(params.as_ptr().add(32 * g + 16));
+                        for t in 0..T {
+                            bacc[t] = _mm512_fmadd_ps(bias, _mm512_set1_ps(*xs.add(t * groups + g)), bacc[t]);
+                        }
                     }
-                }
-                for (t, ac) in acc.iter_mut().enumerate() {
-                    let f = _mm512_mul_ps(s, _mm512_set1_ps(*bd.add(t * blocks + blk)));
-                    *ac = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isums[t][b]), f, *ac);
+                    for t in 0..T {
+                        let f = _mm512_mul_ps(s, _mm512_set1_ps(*bd.add(t * blocks + blk)));
+                        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isums[t][$b]), f, acc[t]);
+                    }
+                }};
+            }
+            // A whole step's four blocks unrolled, so the sums and accumulators stay in registers.
+            if width == 128 {
+                block!(0);
+                block!(1);
+                block!(2);
+                block!(3);
+            } else {
+                for b in 0..width / 32 {
+                    block!(b);
                 }
             }
         }
