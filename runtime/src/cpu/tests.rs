@@ -306,6 +306,23 @@ fn large_matmul_is_identical_across_thread_counts() {
     assert_eq!(a, b1);
 }
 
+/// Outputs come back token-major whatever the row and token counts (partial blocks of 16 tokens and 64 rows).
+#[test]
+fn untranspose_puts_each_output_where_the_plain_loop_does() {
+    for (rows, n) in [(0, 3), (1, 1), (5, 17), (64, 16), (130, 33), (7, 40)] {
+        let yt: Vec<f32> = (0..rows * n).map(|i| i as f32).collect();
+        for parallel in [false, true] {
+            let mut y = vec![-1f32; rows * n];
+            untranspose(&yt, n, &mut y, parallel);
+            for r in 0..rows {
+                for t in 0..n {
+                    assert_eq!(y[t * rows + r], yt[r * n + t], "rows {rows}, n {n}, row {r}, token {t}");
+                }
+            }
+        }
+    }
+}
+
 /// Int8-activation kernels against their oracle: same quantized activations, exact integer block sums.
 #[cfg(target_arch = "x86_64")]
 mod q8_kernels {
