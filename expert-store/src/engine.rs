@@ -974,10 +974,6 @@ impl ExpertSource for StreamingSource {
             .map(|(_, r)| r)
     }
 
-    fn fetch_layer<'a>(&'a self, layer: usize, experts: &[usize]) -> Result<Box<dyn ExpertFetch + 'a>, StoreError> {
-        self.fetch_layer_rewriting(layer, experts, true)
-    }
-
     fn fetch_layer_rewriting<'a>(
         &'a self,
         layer: usize,

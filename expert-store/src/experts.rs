@@ -29,31 +29,25 @@ pub trait ExpertSource: Send + Sync {
     /// The record of expert `expert` in layer `layer`.
     fn read_expert(&self, layer: usize, expert: usize) -> Result<ExpertRecord, StoreError>;
 
-    /// Requests `experts` of `layer` at once; the fetch yields each (position in `experts`, record) as it
-    /// becomes available, resident ones first. Sources without I/O yield them in order.
+    /// Requests `experts` of `layer` at once, the records it reads rewritten:
+    /// [`fetch_layer_rewriting`](Self::fetch_layer_rewriting) with `rewrite` on.
     fn fetch_layer<'a>(&'a self, layer: usize, experts: &[usize]) -> Result<Box<dyn ExpertFetch + 'a>, StoreError> {
-        Ok(Box::new(InOrderFetch {
-            source: self,
-            layer,
-            experts: experts.to_vec(),
-            next: 0,
-        }))
+        self.fetch_layer_rewriting(layer, experts, true)
     }
 
-    /// [`fetch_layer`](Self::fetch_layer) (which rewrites), saying whether the records it reads get the
-    /// table's rewrite ([`RecordTransform`](crate::RecordTransform)): a rewritten record is told apart by its
-    /// parts. Records already cached keep the layout they were read in; guesses ([`prefetch`](Self::prefetch))
-    /// made after it are read the same way. Sources without a rewrite ignore `rewrite`; sources that wrap
-    /// another must pass it on.
+    /// Requests `experts` of `layer` at once; the fetch yields each (position in `experts`, record) as it
+    /// becomes available, resident ones first (sources without I/O: in order, see [`in_order_fetch`]).
+    /// `rewrite` says whether the records it reads get the table's rewrite
+    /// ([`RecordTransform`](crate::RecordTransform)): a rewritten record is told apart by its parts. Records
+    /// already cached keep the layout they were read in; guesses ([`prefetch`](Self::prefetch)) made after it
+    /// are read the same way. Sources without a rewrite ignore `rewrite`. Every source implements this one (no
+    /// default), so a source that wraps another cannot drop the flag by forgetting an override.
     fn fetch_layer_rewriting<'a>(
         &'a self,
         layer: usize,
         experts: &[usize],
         rewrite: bool,
-    ) -> Result<Box<dyn ExpertFetch + 'a>, StoreError> {
-        let _ = rewrite;
-        self.fetch_layer(layer, experts)
-    }
+    ) -> Result<Box<dyn ExpertFetch + 'a>, StoreError>;
 
     /// Hints that `experts` of `layer` will probably be needed soon (read on idle I/O capacity if useful).
     fn prefetch(&self, _layer: usize, _experts: &[usize]) {}
@@ -98,6 +92,21 @@ pub trait ExpertFetch {
         }
         (!batch.is_empty()).then_some(Ok(batch))
     }
+}
+
+/// A fetch that reads `experts` of `layer` one by one, in order, through `source.read_expert` (sources whose
+/// records are already in memory or mapped).
+pub fn in_order_fetch<'a, S: ExpertSource + ?Sized>(
+    source: &'a S,
+    layer: usize,
+    experts: &[usize],
+) -> Box<dyn ExpertFetch + 'a> {
+    Box::new(InOrderFetch {
+        source,
+        layer,
+        experts: experts.to_vec(),
+        next: 0,
+    })
 }
 
 /// The default fetch: reads each record when asked, in request order.
@@ -183,6 +192,15 @@ impl ExpertSource for MmapExpertSource {
             .collect::<Result<Vec<_>, _>>()?;
         Ok(ExpertRecord { parts })
     }
+
+    fn fetch_layer_rewriting<'a>(
+        &'a self,
+        layer: usize,
+        experts: &[usize],
+        _rewrite: bool,
+    ) -> Result<Box<dyn ExpertFetch + 'a>, StoreError> {
+        Ok(in_order_fetch(self, layer, experts))
+    }
 }
 
 /// Records held in memory (tests, and tiny models); each record is its list of parts.
@@ -210,6 +228,15 @@ impl ExpertSource for InMemoryExpertSource {
             .get(&(layer, expert))
             .cloned()
             .ok_or(StoreError::NoRecord { layer, expert })
+    }
+
+    fn fetch_layer_rewriting<'a>(
+        &'a self,
+        layer: usize,
+        experts: &[usize],
+        _rewrite: bool,
+    ) -> Result<Box<dyn ExpertFetch + 'a>, StoreError> {
+        Ok(in_order_fetch(self, layer, experts))
     }
 }
 

@@ -198,10 +198,6 @@ impl ExpertSource for TwinSource {
         self.inner.read_expert(layer, expert % self.twins)
     }
 
-    fn fetch_layer<'a>(&'a self, layer: usize, experts: &[usize]) -> Result<Box<dyn ExpertFetch + 'a>, StoreError> {
-        self.inner.fetch_layer(layer, &self.map(experts))
-    }
-
     fn fetch_layer_rewriting<'a>(
         &'a self,
         layer: usize,
