@@ -63,6 +63,22 @@ impl SlotBuf {
         len.max(1).div_ceil(SLOT_ALIGN) * SLOT_ALIGN
     }
 
+    /// Splits off the first `at` bytes as their own slot (same arena), leaving the rest in `self`; `None` if
+    /// `at` is past the end. Alignment past the first slot is the caller's.
+    pub fn split_to(&mut self, at: usize) -> Option<SlotBuf> {
+        if at > self.len {
+            return None;
+        }
+        let head = SlotBuf {
+            arena: Arc::clone(&self.arena),
+            offset: self.offset,
+            len: at,
+        };
+        self.offset += at;
+        self.len -= at;
+        Some(head)
+    }
+
     /// The bytes, for writing.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: `offset..offset + len` lies inside the arena (checked at allocation), initialised (zeroed),
@@ -127,6 +143,40 @@ impl AsRef<[u8]> for SlotBuf {
     }
 }
 
+/// Memory for resident weights that the kernels stream (a model's attention and shared matrices, repacked
+/// at load): pieces cut one after another from large huge-page-backed chunks, like the expert slots, so a
+/// matrix's stream is not cut at every 4 KiB page. Measured on medium (AVX-512, 2 threads): attention
+/// projections from 4 KiB pages ran ~17% slower than from huge pages.
+#[derive(Default)]
+pub struct ResidentArena {
+    /// The unused tail of the current chunk.
+    rest: std::sync::Mutex<Option<SlotBuf>>,
+}
+
+impl ResidentArena {
+    /// Bytes mapped per chunk; a larger piece gets a chunk of its own. Only the pages pieces use are backed.
+    pub const CHUNK: usize = 64 << 20;
+    /// Alignment of every piece: a cache line, so the kernels' 64-byte loads never straddle two.
+    pub const PIECE_ALIGN: usize = 64;
+
+    /// A piece of `len` bytes, zeroed, handed to `fill` and then frozen; `None` if `fill` says no or memory
+    /// cannot be mapped.
+    pub fn place(&self, len: usize, fill: impl FnOnce(&mut [u8]) -> bool) -> Option<crate::OwnedBytes> {
+        let cut = len.max(1).next_multiple_of(Self::PIECE_ALIGN);
+        let mut piece = {
+            let mut rest = self.rest.lock().unwrap_or_else(|e| e.into_inner());
+            if rest.as_ref().is_none_or(|r| r.len < cut) {
+                *rest = Some(SlotBuf::allocate(1, cut.max(Self::CHUNK))?.pop()?);
+            }
+            rest.as_mut()?.split_to(cut)?
+        };
+        if !fill(&mut piece.as_mut_slice()[..len]) {
+            return None;
+        }
+        crate::OwnedBytes::new(Arc::new(piece)).slice(0..len)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -143,6 +193,32 @@ mod tests {
         for (i, s) in slots.iter().enumerate() {
             assert!(s.as_ref().iter().all(|&x| x == i as u8 + 1));
         }
+    }
+
+    #[test]
+    fn resident_pieces_are_disjoint_aligned_and_keep_their_bytes() {
+        let arena = ResidentArena::default();
+        let lens = [100, 64, 1, ResidentArena::CHUNK, 3000, ResidentArena::CHUNK / 2];
+        let pieces: Vec<_> = (lens.iter().enumerate())
+            .map(|(i, &len)| {
+                let p = arena.place(len, |b| {
+                    assert!(b.iter().all(|&x| x == 0), "zeroed");
+                    b.fill(i as u8 + 1);
+                    true
+                });
+                p.expect("placed")
+            })
+            .collect();
+        for (i, (p, &len)) in pieces.iter().zip(&lens).enumerate() {
+            assert_eq!(p.len(), len);
+            assert_eq!(p.as_ptr() as usize % ResidentArena::PIECE_ALIGN, 0, "piece {i}");
+            assert!(p.iter().all(|&x| x == i as u8 + 1), "piece {i} kept its bytes");
+        }
+        assert!(arena.place(10, |_| false).is_none(), "a refused fill gives no piece");
+        let mut slot = SlotBuf::allocate(1, 10).unwrap().pop().unwrap();
+        assert!(slot.split_to(SLOT_ALIGN + 1).is_none());
+        let head = slot.split_to(100).unwrap();
+        assert_eq!((head.as_ref().len(), slot.as_ref().len()), (100, SLOT_ALIGN - 100));
     }
 
     #[test]

@@ -23,7 +23,7 @@ pub mod platform;
 mod store;
 mod trace;
 
-pub use aligned::{SlotBuf, SLOT_ALIGN};
+pub use aligned::{ResidentArena, SlotBuf, SLOT_ALIGN};
 pub use bytes::OwnedBytes;
 pub use checkpoint::{Checkpoint, Dtype, TensorInfo};
 pub use counters::{CounterSnapshot, Histogram, HistogramSnapshot, StoreCounters, LATENCY_BOUNDS};

@@ -1,6 +1,6 @@
 //! Weight matrices as the model sees them: a storage format plus zero-copy byte handles.
 
-use expert_store::OwnedBytes;
+use expert_store::{OwnedBytes, ResidentArena};
 
 use crate::cpu::{matmul_many, tiled, DenseMatrix, FloatType, Isa, MatRef, QuantMatrix, TiledMatrix};
 
@@ -103,12 +103,14 @@ pub struct Linear {
 }
 
 impl Linear {
-    /// This matrix in the tiled layout, when it is 4-bit affine with whole 32-column blocks per group.
-    pub fn tiled(&self) -> Option<Linear> {
+    /// This matrix in the tiled layout, placed in `arena`, when it is 4-bit affine with whole 32-column blocks
+    /// per group.
+    pub fn tiled(&self, arena: &ResidentArena) -> Option<Linear> {
         let MatRef::Quant(q) = self.mat() else {
             return None;
         };
-        let data = tiled::tile(&q)?;
+        let len = tiled::tiled_len(q.rows, q.cols, q.group, q.scale_type);
+        let data = arena.place(len, |out| tiled::tile_into(&q, out))?;
         Some(Linear {
             format: WeightFormat::Tiled {
                 group: q.group,
@@ -116,7 +118,7 @@ impl Linear {
             },
             rows: self.rows,
             cols: self.cols,
-            parts: vec![OwnedBytes::from_vec(data)],
+            parts: vec![data],
             bias: self.bias.clone(),
         })
     }

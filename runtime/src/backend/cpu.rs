@@ -4,9 +4,11 @@
 //! Every output element is computed by one thread in a fixed order, so results do not depend on the thread
 //! count or on how many tokens (or sequences) share a call: a batch equals each sequence run alone, bit for bit.
 
+use std::sync::Arc;
+
 use rayon::prelude::*;
 
-use expert_store::ExpertRecord;
+use expert_store::{ExpertRecord, ResidentArena};
 
 use super::{Backend, ExpertJob, KvState, Pick, RecurrentState, SeqSpan};
 use crate::cpu::kv::{KvHead, KvType};
@@ -18,10 +20,20 @@ use crate::ops::{self, AttnShape, Rope};
 use crate::weights::ExpertLayout;
 
 /// sluice's own kernels.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Clone, Default)]
 pub struct CpuBackend {
     /// Element type of the KV caches it makes.
     pub kv: KvType,
+    /// Where resident matrices repacked at load live.
+    pub resident: Arc<ResidentArena>,
+}
+
+impl std::fmt::Debug for CpuBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuBackend")
+            .field("kv", &self.kv)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Row-major `[rows, cols]` f32 values.
@@ -259,7 +271,7 @@ impl Backend for CpuBackend {
     fn matrix(&self, l: &Linear) -> Result<Linear> {
         // Resident 4-bit matrices are repacked once for the tiled int8 kernel where it runs.
         let tiled = crate::cpu::q8::tiled_kernel_on(Isa::detect())
-            .then(|| l.tiled())
+            .then(|| l.tiled(&self.resident))
             .flatten();
         Ok(tiled.unwrap_or_else(|| l.clone()))
     }
@@ -510,7 +522,10 @@ mod tests {
     #[test]
     fn appended_rows_split_per_head_in_order() {
         let (kv_heads, hd) = (2, 8);
-        let be = CpuBackend { kv: KvType::F32 };
+        let be = CpuBackend {
+            kv: KvType::F32,
+            ..CpuBackend::default()
+        };
         let mut kv = be.new_kv(AttnShape {
             heads: 4,
             kv_heads,

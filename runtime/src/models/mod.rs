@@ -115,7 +115,13 @@ pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &Expe
         awake_steps: memory_plan.placement == ExpertPlacement::Resident,
     };
     let runner: Box<dyn Runner> = match opts.backend {
-        BackendKind::Cpu => Box::new(build_decoder(CpuBackend { kv: opts.kv_cache }, parts)?),
+        BackendKind::Cpu => Box::new(build_decoder(
+            CpuBackend {
+                kv: opts.kv_cache,
+                ..CpuBackend::default()
+            },
+            parts,
+        )?),
         BackendKind::Reference => Box::new(build_decoder(ReferenceBackend, parts)?),
         #[cfg(feature = "mlx")]
         BackendKind::Mlx => Box::new(build_decoder(crate::backend::mlx::MlxBackend, parts)?),
