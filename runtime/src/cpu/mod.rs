@@ -255,8 +255,11 @@ pub fn dram_read_gbps(bytes: usize, time: std::time::Duration) -> f64 {
         let s: u64 = buf
             .par_chunks(1 << 16)
             .map(|c| {
-                // Four streams per chunk in lockstep: a core reading one stream leaves DRAM partly idle (the
-                // prefetchers run only so far ahead of one), and the kernels read several.
+                // Four streams per chunk in lockstep: on the Sapphire Rapids host a core reading one stream left
+                // DRAM partly idle (the prefetchers run only so far ahead of one). On the AMD EPYC (Zen 4) host
+                // it is the other way round (one thread: 29–32 GB/s on one sequential stream, 18–21 on
+                // interleaved ones), and the tiled decode kernel reads one stream per core, so there this probe
+                // understates what decode streams (it reached up to 124% of it).
                 let q = c.len() / 4;
                 let (head, tail) = c.split_at(3 * q);
                 let (a, rest) = head.split_at(q);
