@@ -3,7 +3,8 @@
 # The project's copy of ../shared/peers/compare.sh (same models, same flags, same measurements) with one addition:
 # `large` also measures warm decode (llama.cpp: a second run right after the cold one, its page cache holding
 # what fits; sluice: bench's warm run after its cold one), and prints sluice's bounds (bench's optimal-cache
-# bound and in-RAM compute of the same shape).
+# bound and in-RAM compute of the same shape); `medium` prints the weight bytes each decode streams per second
+# for both, against the DRAM probe (bench's `weight_bytes_per_token`, the same for both: identical weights).
 #   compare.sh medium   : 7.7 B Qwen3-MoE (H2048, 24 layers, 64 experts top-8), 4.35 GB: fits in RAM
 #   compare.sh large    : 51.7 B (48 layers, 224 experts top-8), 29 GB: bigger than a 24 GB machine's RAM
 # Needs a release build of sluice (SLUICE=path, default target/release/sluice), root (drops the page cache) and
@@ -77,6 +78,14 @@ lines = [f"# {preset}: sluice beside llama.cpp ({os.path.basename(out)})", "",
 lines += [f"| {n} | {a:.2f} | {b:.2f} | {b / a:.2f} |" for n, a, b in rows]
 lines += ["", f"sluice mode {sl['mode']}, disk probe {sl.get('disk_probe_gb_s') or 0:.2f} GB/s, "
           f"DRAM probe {sl.get('dram_probe_gb_s') or 0:.1f} GB/s, fresh memory {sl.get('fresh_memory_gb_s') or 0:.2f} GB/s"]
+w, dram = sl.get("weight_bytes_per_token"), sl.get("dram_probe_gb_s")
+if w and dram:
+    lines.append(f"DRAM probe patterns: one stream per thread {sl.get('dram_one_stream_gb_s') or 0:.1f}, "
+                 f"four in lockstep {sl.get('dram_four_streams_gb_s') or 0:.1f} GB/s (the probe is the faster)")
+    for n, a, b in rows:
+        if n.startswith("decode"):
+            lines.append(f"{n}: weights streamed ({w / 1e6:.1f} MB/token) llama.cpp {a * w / 1e9:.1f} GB/s = "
+                         f"{a * w / 1e9 / dram:.0%} of the DRAM probe, sluice {b * w / 1e9:.1f} GB/s = {b * w / 1e9 / dram:.0%}")
 ram = sl.get("in_ram")
 if ram:
     lines.append(f"in-RAM compute of the same shape: prefill {ram['prefill_tok_s']:.2f}, decode {ram['decode_tok_s']:.2f} tok/s")

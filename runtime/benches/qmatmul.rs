@@ -55,10 +55,13 @@ fn main() {
     }
     let mat = |e| view(e, bits, group, rows, cols);
     let bytes_per = experts[0].packed.len() + experts[0].scales.len() * 2;
-    let dram = sluice_runtime::cpu::dram_read_gbps(512 << 20, Duration::from_millis(if quick { 300 } else { 1000 }));
+    let probe = sluice_runtime::cpu::dram_read_probe(512 << 20, Duration::from_millis(if quick { 300 } else { 1000 }));
+    let dram = probe.best();
     println!(
-        "threads: {}   DRAM read probe: {dram:.1} GB/s   kernels: {}",
+        "threads: {}   DRAM read probe: {dram:.1} GB/s (one stream per thread {:.1}, four {:.1})   kernels: {}",
         rayon::current_num_threads(),
+        probe.one_stream,
+        probe.four_streams,
         if q8 { "q8" } else { "exact" }
     );
     println!(

@@ -15,6 +15,8 @@ use expert_store::{
 };
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
+use sluice_runtime::config::ModelConfig;
+use sluice_runtime::forecast::size_from_config;
 use sluice_runtime::{DecoderModel, ForwardOptions, Part, Pipeline, PrefetchMode};
 
 use crate::store_cmds::EngineArgs;
@@ -151,7 +153,15 @@ pub(crate) struct Report {
     pub(crate) threads: usize,
     pub(crate) load_seconds: f64,
     pub(crate) disk_probe_gb_s: Option<f64>,
+    /// The faster of the two patterns below: the machine's DRAM limit.
     pub(crate) dram_probe_gb_s: Option<f64>,
+    /// DRAM probe, one sequential stream per thread.
+    pub(crate) dram_one_stream_gb_s: Option<f64>,
+    /// DRAM probe, four streams per thread in lockstep.
+    pub(crate) dram_four_streams_gb_s: Option<f64>,
+    /// Weight bytes one decode step reads: every resident matrix once (one embedding row) and `top_k` expert
+    /// records per MoE layer, estimated from `config.json` as `doctor` does.
+    pub(crate) weight_bytes_per_token: Option<u64>,
     /// First touch of fresh anonymous memory (a cache slot filled for the first time pays it), GB/s.
     pub(crate) fresh_memory_gb_s: Option<f64>,
     /// The last run's prompt and tokens again with every record already in RAM (see [`TwinSource`]):
@@ -319,7 +329,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
     } else {
         Some(disk_probe(&a.model, record_bytes, opts.io_depth, probe)?)
     };
-    let dram_probe_gb_s = (!probe.is_zero()).then(|| sluice_runtime::cpu::dram_read_gbps(512 << 20, probe));
+    let dram = (!probe.is_zero()).then(|| sluice_runtime::cpu::dram_read_probe(512 << 20, probe));
     let fresh_memory_gb_s = (!probe.is_zero()).then(fresh_memory_probe).flatten();
     let slots = p.model.expert_slots();
     // The bounds need the in-RAM compute of the same shape: the last run's tokens again, served by twins.
@@ -395,7 +405,13 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         threads: rayon::current_num_threads(),
         load_seconds,
         disk_probe_gb_s,
-        dram_probe_gb_s,
+        dram_probe_gb_s: dram.map(|d| d.best()),
+        dram_one_stream_gb_s: dram.map(|d| d.one_stream),
+        dram_four_streams_gb_s: dram.map(|d| d.four_streams),
+        weight_bytes_per_token: ModelConfig::load(&a.model)
+            .ok()
+            .and_then(|c| size_from_config(&c, None, opts.kv_element_bytes()).ok())
+            .map(|s| s.resident_read_per_token + record_bytes * (top_k * moe_layers) as u64),
         fresh_memory_gb_s,
         in_ram,
         runs,
@@ -657,8 +673,8 @@ fn print_table(r: &Report) {
             r.io_depth
         );
     }
-    if let Some(d) = r.dram_probe_gb_s {
-        println!("DRAM probe: {d:.1} GB/s");
+    if let (Some(d), Some(one), Some(four)) = (r.dram_probe_gb_s, r.dram_one_stream_gb_s, r.dram_four_streams_gb_s) {
+        println!("DRAM probe: {d:.1} GB/s (one stream per thread {one:.1}, four in lockstep {four:.1})");
     }
     if let Some(f) = r.fresh_memory_gb_s {
         println!(
@@ -718,6 +734,17 @@ fn print_table(r: &Report) {
                 x.read_cpu_ms_per_record,
                 x.prefault_cpu_cores,
                 std::thread::available_parallelism().map_or(0, |n| n.get())
+            );
+        }
+    }
+    if let (Some(w), Some(d)) = (r.weight_bytes_per_token, r.dram_probe_gb_s) {
+        for x in &r.runs {
+            let gb_s = w as f64 * x.decode_tok_s / 1e9;
+            println!(
+                "{} decode weights: {:.1} MB/token, {gb_s:.1} GB/s = {:.0}% of the DRAM probe",
+                x.run,
+                w as f64 / 1e6,
+                100.0 * gb_s / d
             );
         }
     }

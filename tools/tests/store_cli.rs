@@ -148,6 +148,17 @@ fn bench_reports_runs_and_probes_as_json() {
     }
     assert!(v["disk_probe_gb_s"].as_f64().unwrap() > 0.0);
     assert!(v["dram_probe_gb_s"].as_f64().unwrap() > 0.0);
+    // The probe is the faster of its two access patterns.
+    let (one, four) = (
+        v["dram_one_stream_gb_s"].as_f64().unwrap(),
+        v["dram_four_streams_gb_s"].as_f64().unwrap(),
+    );
+    assert_eq!(v["dram_probe_gb_s"].as_f64().unwrap(), one.max(four));
+    // A decode step reads the routed experts and, beside them, every resident matrix.
+    assert!(
+        v["weight_bytes_per_token"].as_u64().unwrap() > v["expert_bytes_per_token"].as_u64().unwrap(),
+        "{v}"
+    );
     assert!(v["fresh_memory_gb_s"].as_f64().unwrap() > 0.0);
     // Short warm runs with `extra` flags.
     let warm = |extra: &[&str]| -> Vec<String> {

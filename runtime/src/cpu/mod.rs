@@ -243,39 +243,101 @@ pub fn pack_codes(bits: u32, codes: &[u32]) -> Vec<u8> {
     out
 }
 
-/// This machine's multi-threaded sequential DRAM read bandwidth in GB/s: sums a `bytes`-long buffer (much
-/// larger than the caches) on every rayon thread, repeatedly for about `time` (at least once), best pass.
+/// This machine's DRAM read bandwidth in GB/s, two ways: the best of [`DramProbe::one_stream`] and
+/// [`DramProbe::four_streams`].
 pub fn dram_read_gbps(bytes: usize, time: std::time::Duration) -> f64 {
+    dram_read_probe(bytes, time).best()
+}
+
+/// Multi-threaded sequential DRAM reads, GB/s, in the two access patterns that are fastest on different hosts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DramProbe {
+    /// Every thread reads its share as one sequential stream: the fast pattern on the AMD EPYC (Zen 4) host
+    /// (one thread: 29–32 GB/s, against 18–21 on interleaved streams), and the one the tiled decode kernel
+    /// follows.
+    pub one_stream: f64,
+    /// Every thread reads four streams of its share in lockstep: faster on the Sapphire Rapids host, where a
+    /// core reading one stream left DRAM partly idle (the prefetchers run only so far ahead of one).
+    pub four_streams: f64,
+}
+
+impl DramProbe {
+    /// The machine's limit: the faster pattern.
+    pub fn best(&self) -> f64 {
+        self.one_stream.max(self.four_streams)
+    }
+}
+
+/// Sums a `bytes`-long buffer (much larger than the caches) on every rayon thread, alternating the two
+/// patterns of [`DramProbe`] for about `time` (each at least once), best pass of each. Alternating passes
+/// see the same moments of a host whose bandwidth moves from one second to the next. The buffer sits on huge
+/// pages where the OS gives them, as the weights the kernels stream do (a 4 KiB-paged buffer read ~20% slower
+/// than decode streams weights on the AMD EPYC host).
+pub fn dram_read_probe(bytes: usize, time: std::time::Duration) -> DramProbe {
     let words = (bytes / 8).max(1);
-    let buf: Vec<u64> = (0..words as u64).collect();
-    let deadline = std::time::Instant::now() + time;
-    let mut best = 0f64;
-    loop {
+    let mut huge = expert_store::SlotBuf::allocate(1, words * 8).and_then(|mut v| v.pop());
+    let mut plain = Vec::new();
+    let buf: &mut [u8] = match &mut huge {
+        Some(slot) => &mut slot.as_mut_slice()[..words * 8],
+        None => {
+            plain.resize(words * 8, 0u8);
+            &mut plain
+        }
+    };
+    // Written, not left zeroed: untouched anonymous pages all map the one zero page, which the caches hold.
+    for (i, w) in buf.chunks_exact_mut(8).enumerate() {
+        w.copy_from_slice(&(i as u64).to_ne_bytes());
+    }
+    let buf = &*buf;
+    let pass = |four: bool| {
         let t = std::time::Instant::now();
         let s: u64 = buf
-            .par_chunks(1 << 16)
-            .map(|c| {
-                // Four streams per chunk in lockstep: on the Sapphire Rapids host a core reading one stream left
-                // DRAM partly idle (the prefetchers run only so far ahead of one). On the AMD EPYC (Zen 4) host
-                // it is the other way round (one thread: 29–32 GB/s on one sequential stream, 18–21 on
-                // interleaved ones), and the tiled decode kernel reads one stream per core, so there this probe
-                // understates what decode streams (it reached up to 124% of it).
-                let q = c.len() / 4;
-                let (head, tail) = c.split_at(3 * q);
-                let (a, rest) = head.split_at(q);
-                let (b, d) = rest.split_at(q);
-                let lockstep = (a.iter().zip(b).zip(d).zip(tail)).fold(0u64, |s, (((a, b), d), e)| {
-                    s.wrapping_add(*a).wrapping_add(*b).wrapping_add(*d).wrapping_add(*e)
-                });
-                tail[q..].iter().fold(lockstep, |s, x| s.wrapping_add(*x))
-            })
+            .par_chunks(1 << 19)
+            .map(|c| if four { sum_four_streams(c) } else { sum_words(c) })
             .sum();
         std::hint::black_box(s);
-        best = best.max((words * 8) as f64 / t.elapsed().as_secs_f64() / 1e9);
+        (words * 8) as f64 / t.elapsed().as_secs_f64() / 1e9
+    };
+    let deadline = std::time::Instant::now() + time;
+    let mut p = DramProbe {
+        one_stream: 0.0,
+        four_streams: 0.0,
+    };
+    loop {
+        p.one_stream = p.one_stream.max(pass(false));
+        p.four_streams = p.four_streams.max(pass(true));
         if std::time::Instant::now() >= deadline {
-            return best;
+            return p;
         }
     }
+}
+
+/// Wrapping sum of `c`'s native-endian 64-bit words (a trailing partial word is skipped).
+fn sum_words(c: &[u8]) -> u64 {
+    c.chunks_exact(8).fold(0u64, |s, w| {
+        s.wrapping_add(u64::from_ne_bytes(w.try_into().unwrap_or_default()))
+    })
+}
+
+/// Wrapping sum of `c`'s words read as four streams in lockstep (its quarters side by side), then the rest.
+fn sum_four_streams(c: &[u8]) -> u64 {
+    let q = c.len() / 32 * 8;
+    let (head, tail) = c.split_at(3 * q);
+    let (a, rest) = head.split_at(q);
+    let (b, d) = rest.split_at(q);
+    let word = |w: &[u8]| u64::from_ne_bytes(w.try_into().unwrap_or_default());
+    let lockstep = (a
+        .chunks_exact(8)
+        .zip(b.chunks_exact(8))
+        .zip(d.chunks_exact(8))
+        .zip(tail.chunks_exact(8)))
+    .fold(0u64, |s, (((a, b), d), e)| {
+        s.wrapping_add(word(a))
+            .wrapping_add(word(b))
+            .wrapping_add(word(d))
+            .wrapping_add(word(e))
+    });
+    lockstep.wrapping_add(sum_words(&tail[q..]))
 }
 
 /// Work below this many weight elements runs on the calling thread (rayon's overhead would dominate).
