@@ -519,6 +519,20 @@ mod q8_kernels {
         }
     }
 
+    /// Rows longer than the property test's (up to 4,096 columns, 16 or more 128-column steps, some with a
+    /// shorter last step) still give the tiled kernel's bits, for one token and for several.
+    #[test]
+    fn long_rows_give_the_tiled_kernels_bits() {
+        if !q8::vnni_available() {
+            return;
+        }
+        for st in [FloatType::F32, FloatType::F16, FloatType::BF16] {
+            for (groups, group, n) in [(37, 64, 1), (37, 64, 5), (64, 64, 1), (17, 128, 2), (33, 32, 1)] {
+                band_equals_tiled(2, groups, group, n, st, groups as u64 * 31 + n as u64);
+            }
+        }
+    }
+
     #[test]
     fn zero_and_extreme_activations() {
         let mut q = [0i8; BLOCK];
