@@ -91,7 +91,9 @@ if ram:
     lines.append(f"in-RAM compute of the same shape: prefill {ram['prefill_tok_s']:.2f}, decode {ram['decode_tok_s']:.2f} tok/s")
 for name, run in runs.items():
     b = run.get("decode_bound")
-    bound = f", bound {b['tok_s']:.2f} tok/s ({b['limit']}), achieved {b['achieved']:.0%}" if b else ""
+    bound = (f", bound {b['tok_s']:.2f} tok/s ({b['limit']}), achieved {b['achieved']:.0%}; with an LRU cache "
+             f"({b['lru_misses_per_token']:.1f} misses/token against the optimum's {b['optimal_misses_per_token']:.1f}) "
+             f"{b['lru_tok_s']:.2f} tok/s, achieved {b['lru_achieved']:.0%}") if b else ""
     lines.append(f"{name}: read {run['read_bytes_per_token'] / 1e6:.0f} MB/token at {run['read_gb_s']:.2f} GB/s, "
                  f"hit rate {run['hit_rate']:.2f}, I/O wait {run['io_wait_share']:.0%}{bound}")
 lines += ["", "raw: llama*.json, sluice*.json beside this file"]

@@ -35,4 +35,4 @@ pub use store::{
     convert, is_store, ConvertOptions, LayerManifest, Manifest, PackedStore, PartManifest, RecordManifest, DATA_FILE,
     MANIFEST_FILE, STORE_VERSION,
 };
-pub use trace::{optimal_misses, RecordKey, TracingSource};
+pub use trace::{lru_misses, optimal_misses, RecordKey, TracingSource};

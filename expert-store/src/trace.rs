@@ -123,6 +123,23 @@ pub fn optimal_misses(requests: &[RecordKey], slots: usize, counted: std::ops::R
     misses
 }
 
+/// Misses of a least-recently-used cache with `slots` slots, starting empty, over `requests`; only requests at
+/// indices in `counted` are counted. What a simple online cache gets on the same trace: beside
+/// [`optimal_misses`], it splits a shortfall into what no online cache could avoid and what the I/O path lost.
+pub fn lru_misses(requests: &[RecordKey], slots: usize, counted: std::ops::Range<usize>) -> u64 {
+    let Some(cap) = std::num::NonZeroUsize::new(slots) else {
+        return requests.len().min(counted.end).saturating_sub(counted.start) as u64;
+    };
+    let mut cache = lru::LruCache::new(cap);
+    let mut misses = 0;
+    for (i, &key) in requests.iter().enumerate() {
+        if cache.put(key, ()).is_none() && counted.contains(&i) {
+            misses += 1;
+        }
+    }
+    misses
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -131,8 +148,8 @@ mod tests {
         ids.iter().map(|&e| (0, e)).collect()
     }
 
-    /// Least-recently-used misses, the simple policy the optimum must never lose to.
-    fn lru_misses(requests: &[RecordKey], slots: usize) -> u64 {
+    /// Least-recently-used misses by the definition (a list in use order), the oracle of [`super::lru_misses`].
+    fn naive_lru_misses(requests: &[RecordKey], slots: usize) -> u64 {
         let mut order: Vec<RecordKey> = Vec::new();
         let mut misses = 0;
         for &k in requests {
@@ -154,7 +171,10 @@ mod tests {
         // The textbook reference string (Silberschatz): 3 frames, optimal 9 faults, LRU 12.
         let r = keys(&[7, 0, 1, 2, 0, 3, 0, 4, 2, 3, 0, 3, 2, 1, 2, 0, 1, 7, 0, 1]);
         assert_eq!(optimal_misses(&r, 3, 0..r.len()), 9);
-        assert_eq!(lru_misses(&r, 3), 12);
+        assert_eq!(naive_lru_misses(&r, 3), 12);
+        assert_eq!(lru_misses(&r, 3, 0..r.len()), 12);
+        assert_eq!(lru_misses(&r, 0, 0..r.len()), r.len() as u64);
+        assert_eq!(lru_misses(&r, 0, 5..9), 4);
         // Only the counted range counts; with room for everything only first uses miss.
         assert_eq!(optimal_misses(&r, 3, 0..3), 3);
         assert_eq!(optimal_misses(&r, 8, 0..r.len()), 6);
@@ -171,8 +191,12 @@ mod tests {
                     ((x >> 60) as usize % 2, (x >> 33) as usize % 12)
                 })
                 .collect();
-            let (opt, lru) = (optimal_misses(&r, slots, 0..r.len()), lru_misses(&r, slots));
+            let (opt, lru) = (optimal_misses(&r, slots, 0..r.len()), naive_lru_misses(&r, slots));
             assert!(opt <= lru, "{slots} slots: optimal {opt} > LRU {lru}");
+            assert_eq!(lru_misses(&r, slots, 0..r.len()), lru, "{slots} slots");
+            // A counted window counts the misses inside it, with the cache warmed by what came before.
+            let before = naive_lru_misses(&r[..200], slots);
+            assert_eq!(lru_misses(&r, slots, 200..r.len()), lru - before, "{slots} slots");
             let distinct = r.iter().collect::<std::collections::HashSet<_>>().len() as u64;
             assert!(opt >= distinct, "first uses always miss");
         }

@@ -140,6 +140,15 @@ fn bench_reports_runs_and_probes_as_json() {
             let b = &r[phase];
             assert!(b["tok_s"].as_f64().unwrap() > 0.0, "{phase}: {b}");
             assert!(b["optimal_misses_per_token"].as_f64().unwrap() >= 0.0, "{phase}: {b}");
+            // An LRU cache never misses less than the optimal one, so its bound is never higher.
+            assert!(
+                b["lru_misses_per_token"].as_f64().unwrap() >= b["optimal_misses_per_token"].as_f64().unwrap(),
+                "{phase}: {b}"
+            );
+            assert!(
+                b["lru_tok_s"].as_f64().unwrap() <= b["tok_s"].as_f64().unwrap(),
+                "{phase}: {b}"
+            );
             assert!(
                 ["disk", "compute"].contains(&b["limit"].as_str().unwrap()),
                 "{phase}: {b}"
