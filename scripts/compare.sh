@@ -79,7 +79,7 @@ lines += [f"| {n} | {a:.2f} | {b:.2f} | {b / a:.2f} |" for n, a, b in rows]
 lines += ["", f"sluice mode {sl['mode']}, disk probe {sl.get('disk_probe_gb_s') or 0:.2f} GB/s, "
           f"DRAM probe {sl.get('dram_probe_gb_s') or 0:.1f} GB/s, fresh memory {sl.get('fresh_memory_gb_s') or 0:.2f} GB/s"]
 w, dram = sl.get("weight_bytes_per_token"), sl.get("dram_probe_gb_s")
-if w and dram:
+if w and dram and preset == "medium":
     lines.append(f"DRAM probe patterns: one stream per thread {sl.get('dram_one_stream_gb_s') or 0:.1f}, "
                  f"four in lockstep {sl.get('dram_four_streams_gb_s') or 0:.1f} GB/s (the probe is the faster)")
     for n, a, b in rows:
