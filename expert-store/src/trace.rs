@@ -124,8 +124,9 @@ pub fn optimal_misses(requests: &[RecordKey], slots: usize, counted: std::ops::R
 }
 
 /// Misses of a least-recently-used cache with `slots` slots, starting empty, over `requests`; only requests at
-/// indices in `counted` are counted. What a simple online cache gets on the same trace: beside
-/// [`optimal_misses`], it splits a shortfall into what no online cache could avoid and what the I/O path lost.
+/// indices in `counted` are counted. What a plain online cache gets on the same trace: beside
+/// [`optimal_misses`] it tells what only knowing the future saves (on near-uniform routing, about what any
+/// online policy would miss) from what a run loses below it.
 pub fn lru_misses(requests: &[RecordKey], slots: usize, counted: std::ops::Range<usize>) -> u64 {
     let Some(cap) = std::num::NonZeroUsize::new(slots) else {
         return requests.len().min(counted.end).saturating_sub(counted.start) as u64;

@@ -165,8 +165,8 @@ pub(crate) struct Report {
     pub(crate) dram_one_stream_gb_s: Option<f64>,
     /// DRAM probe, four streams per thread in lockstep.
     pub(crate) dram_four_streams_gb_s: Option<f64>,
-    /// Weight bytes one decode step reads: every resident matrix once (one embedding row) and `top_k` expert
-    /// records per MoE layer, estimated from `config.json` as `doctor` does.
+    /// Weight bytes one decode step reads: every resident matrix once (one embedding row), sized from
+    /// `config.json` as `doctor` does, and `top_k` of this store's expert records per MoE layer.
     pub(crate) weight_bytes_per_token: Option<u64>,
     /// First touch of fresh anonymous memory (a cache slot filled for the first time pays it), GB/s.
     pub(crate) fresh_memory_gb_s: Option<f64>,
@@ -414,15 +414,26 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         dram_probe_gb_s: dram.map(|d| d.best()),
         dram_one_stream_gb_s: dram.map(|d| d.one_stream),
         dram_four_streams_gb_s: dram.map(|d| d.four_streams),
-        weight_bytes_per_token: ModelConfig::load(&a.model)
-            .ok()
-            .and_then(|c| size_from_config(&c, None, opts.kv_element_bytes()).ok())
-            .map(|s| s.resident_read_per_token + record_bytes * (top_k * moe_layers) as u64),
+        weight_bytes_per_token: resident_read_per_token(&a.model, opts.kv_element_bytes())
+            .map(|r| r + record_bytes * (top_k * moe_layers) as u64),
         fresh_memory_gb_s,
         in_ram,
         runs,
     };
     Ok(report)
+}
+
+/// Resident bytes one decode step reads, as `doctor` sizes them: from the model directory's `config.json` (a
+/// packed store's too), rescaled to its safetensors index's `total_size` when there is one; `None` if the
+/// config cannot be sized.
+fn resident_read_per_token(model: &Path, kv_bytes: u64) -> Option<u64> {
+    let dir = match expert_store::is_store(model) {
+        true => expert_store::PackedStore::open(model).ok()?.model_dir(),
+        false => model.to_path_buf(),
+    };
+    let config = ModelConfig::load(&dir).ok()?;
+    let total = crate::doctor::index_total_size(&dir.join("model.safetensors.index.json")).ok();
+    Some(size_from_config(&config, total, kv_bytes).ok()?.resident_read_per_token)
 }
 
 /// The routing trace as text: `layer expert` per request, a comment where each run's prefill and decode begin.

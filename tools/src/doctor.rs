@@ -152,7 +152,7 @@ pub fn run(a: DoctorArgs) -> Result<()> {
 }
 
 /// `metadata.total_size` of a safetensors index.
-fn index_total_size(path: &Path) -> Result<u64> {
+pub(crate) fn index_total_size(path: &Path) -> Result<u64> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
     match v.pointer("/metadata/total_size").and_then(|t| t.as_u64()) {

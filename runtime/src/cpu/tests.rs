@@ -519,7 +519,7 @@ mod q8_kernels {
         }
     }
 
-    /// Rows longer than the property test's (up to 4,096 columns, 16 or more 128-column steps, some with a
+    /// Rows longer than the property test's (1,056 to 4,096 columns: 8 to 32 128-column steps, some with a
     /// shorter last step) still give the tiled kernel's bits, for one token and for several.
     #[test]
     fn long_rows_give_the_tiled_kernels_bits() {
@@ -589,4 +589,19 @@ fn exp_edges() {
         let mut empty: Vec<f32> = vec![];
         isa.softmax(&mut empty);
     }
+}
+
+/// Both DRAM probe patterns sum every whole 64-bit word of a chunk exactly once, whatever its length.
+#[test]
+fn dram_probe_patterns_read_the_same_words() {
+    for len in [0usize, 7, 8, 31, 33, 40, 1000, (1 << 19) + 24] {
+        let bytes: Vec<u8> = (0..len).map(|i| (i * 131 % 251) as u8).collect();
+        let want = (bytes.chunks_exact(8)).fold(0u64, |s, w| {
+            s.wrapping_add(u64::from_ne_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]))
+        });
+        assert_eq!(sum_words(&bytes), want, "{len} bytes");
+        assert_eq!(sum_four_streams(&bytes), want, "{len} bytes");
+    }
+    let p = dram_read_probe(1 << 20, std::time::Duration::ZERO);
+    assert!(p.one_stream > 0.0 && p.four_streams > 0.0 && p.best() == p.one_stream.max(p.four_streams));
 }
