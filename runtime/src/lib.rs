@@ -35,6 +35,7 @@ pub mod weights;
 pub use convert::convert_model;
 pub use error::{ModelError, Result};
 pub use generate::{FinishReason, GenerateParams, GenerationStats, Pipeline, Prompt, DEFAULT_PREFILL_CHUNK};
+pub use location::model_dir;
 pub use memory_plan::MemoryPlan;
 pub use model::{DecoderModel, ForwardOptions, ModelInfo, PrefetchMode, SeqRequest};
 pub use models::{load_model, load_model_with, supported_model_types};

@@ -7,6 +7,11 @@ use expert_store::PackedStore;
 
 use crate::error::{ModelError, Result};
 
+/// The model directory `path` names: `path` itself, or the directory a packed store at `path` references.
+pub fn model_dir(path: &Path) -> Result<PathBuf> {
+    Ok(ModelLocation::resolve(path)?.model_dir().to_path_buf())
+}
+
 /// What `--model` pointed at.
 pub(crate) enum ModelLocation {
     /// An MLX model directory.

@@ -427,10 +427,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
 /// packed store's too), rescaled to its safetensors index's `total_size` when there is one; `None` if the
 /// config cannot be sized.
 fn resident_read_per_token(model: &Path, kv_bytes: u64) -> Option<u64> {
-    let dir = match expert_store::is_store(model) {
-        true => expert_store::PackedStore::open(model).ok()?.model_dir(),
-        false => model.to_path_buf(),
-    };
+    let dir = sluice_runtime::model_dir(model).ok()?;
     let config = ModelConfig::load(&dir).ok()?;
     let total = crate::doctor::index_total_size(&dir.join("model.safetensors.index.json")).ok();
     Some(size_from_config(&config, total, kv_bytes).ok()?.resident_read_per_token)
