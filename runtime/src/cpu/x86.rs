@@ -934,10 +934,10 @@ unsafe fn q4_tiles<const TY: u8, const T: usize, const P: usize>(
     let mut bacc = [[_mm512_setzero_ps(); T]; P];
     for g in 0..groups {
         // Prompts (T > 1, one tile, compute-bound): the next group, one cache line at a time (prefill +17% over
-        // none on medium on the Sapphire Rapids host, 4–25% on the AMD EPYC one). Decode (T = 1) reads the panel in address order and the hardware prefetcher does
-        // better alone: software prefetches there cut one thread from DRAM from 25–28 to 19–21 GB/s. After the
-        // last group this is the next panel's first, or past the matrix: `wrapping_add`, and a prefetch never
-        // faults.
+        // none on medium on the Sapphire Rapids host, 4–25% on the AMD EPYC one). Decode (T = 1) reads the panel
+        // in address order and the hardware prefetcher does better alone: software prefetches there cut one
+        // thread from DRAM from 25–28 to 19–21 GB/s. After the last group this is the next panel's first, or
+        // past the matrix: `wrapping_add`, and a prefetch never faults.
         if T > 1 {
             for base in bases {
                 let next = base.wrapping_add((g + 1) * stride);
