@@ -8,6 +8,8 @@
 //!   slot whose record is still referenced by a computation (an [`ExpertRecord`] clone keeps the `Arc`
 //!   alive) is never chosen for eviction.
 //! - Demand reads are queued ahead of prefetches; a prefetch a step turns out to need is promoted.
+//! - After a decode step's fetch at most `guess_depth` prefetches are read at once: a disk reads no faster
+//!   at depth, so more would only slow the reads a step waits for, and a queued guess can still be cancelled.
 //! - Prefetches are read nearest layer first, counting forward (cyclically) from the layer last fetched: a
 //!   guess for the next layer goes before a guess for the one after, whatever order the guesses came in.
 //! - A layer's fetch cancels that layer's queued prefetches it did not ask for: the guess was wrong, and
@@ -44,6 +46,9 @@ use crate::{OwnedBytes, StoreError};
 
 type Key = (usize, usize);
 
+/// Guesses read at once by default (see [`EngineOptions::guess_depth`]).
+pub const DEFAULT_GUESS_DEPTH: usize = 2;
+
 /// Settings of a [`StreamingSource`].
 #[derive(Debug, Clone)]
 pub struct EngineOptions {
@@ -51,6 +56,10 @@ pub struct EngineOptions {
     pub cache_bytes: u64,
     /// I/O threads, i.e. reads in flight at once.
     pub io_depth: usize,
+    /// Guesses (prefetches) read at once, at most `io_depth`. The rest wait in the queue, where their layer's
+    /// fetch can still cancel them and a newer guess replace them, and a demand read shares the disk with no
+    /// more than this many guesses.
+    pub guess_depth: usize,
     /// Check each packed record's checksum after reading it.
     pub verify: bool,
     /// Back every slot with memory from the start, in the background (else slots fault in on first read).
@@ -64,6 +73,7 @@ impl Default for EngineOptions {
         Self {
             cache_bytes: 1 << 30,
             io_depth: 8,
+            guess_depth: DEFAULT_GUESS_DEPTH,
             verify: true,
             prefault: true,
         }
@@ -113,19 +123,31 @@ struct Queue {
     focus: usize,
     /// One past the highest layer with records (the cycle of that distance).
     layer_cycle: usize,
+    /// Guesses being read now (popped from the prefetch queue, not yet landed).
+    guesses_reading: usize,
+    /// At most this many guesses are read at once while `guesses_limited`.
+    guess_depth: usize,
+    /// Whether the latest fetch was sparse (a decode step's). A prompt's chunk uses nearly every expert of
+    /// every layer, so its guesses are nearly all right: nothing is gained by holding them back.
+    guesses_limited: bool,
 }
 
 impl Queue {
-    /// The next read: demand first, else the prefetch of the nearest layer after the focus (oldest first).
-    fn pop(&mut self) -> Option<Job> {
+    /// The next read and whether it is a guess: demand first, else the prefetch of the nearest layer after
+    /// the focus (oldest first) unless `guess_depth` guesses are being read and the limit applies.
+    fn pop(&mut self) -> Option<(Job, bool)> {
         if let Some(j) = self.demand.pop_front() {
-            return Some(j);
+            return Some((j, false));
+        }
+        if self.guesses_limited && self.guesses_reading >= self.guess_depth {
+            return None;
         }
         let (focus, cycle) = (self.focus, self.layer_cycle);
         let best = (self.prefetch.iter().enumerate())
             .min_by_key(|(i, j)| (layers_after(focus, j.key.0, cycle), *i))
             .map(|(i, _)| i)?;
-        self.prefetch.remove(best)
+        self.guesses_reading += 1;
+        self.prefetch.remove(best).map(|j| (j, true))
     }
 }
 
@@ -307,6 +329,8 @@ impl StreamingSource {
             arrived: Condvar::new(),
             queue: Mutex::new(Queue {
                 layer_cycle,
+                guess_depth: opts.guess_depth.clamp(1, opts.io_depth.max(1)),
+                guesses_limited: true,
                 ..Queue::default()
             }),
             work: Condvar::new(),
@@ -519,10 +543,17 @@ impl Inner {
         Ok(())
     }
 
-    /// Makes `layer` the focus of the prefetch order and cancels its queued prefetches of experts not in
-    /// `wanted`.
-    fn cancel_prefetches(&self, st: &mut State, layer: usize, wanted: &[usize]) {
-        lock(&self.queue).focus = layer;
+    /// Makes `layer` the focus of the prefetch order, limits the guesses read at once after a `sparse` fetch
+    /// only, and cancels `layer`'s queued prefetches of experts not in `wanted`.
+    fn cancel_prefetches(&self, st: &mut State, layer: usize, wanted: &[usize], sparse: bool) {
+        {
+            let mut q = lock(&self.queue);
+            q.focus = layer;
+            q.guesses_limited = sparse;
+        }
+        if !sparse {
+            self.work.notify_all();
+        }
         self.drop_queued_prefetches(st, layer, wanted);
     }
 
@@ -551,6 +582,9 @@ impl Inner {
         if let Some(i) = q.prefetch.iter().position(|j| j.key == key) {
             if let Some(job) = q.prefetch.remove(i) {
                 q.demand.push_back(job);
+                drop(q);
+                // Idle I/O threads may be waiting only because the guesses' share of them is taken.
+                self.work.notify_one();
             }
         }
     }
@@ -590,12 +624,15 @@ impl Inner {
                     q = self.work.wait(q).unwrap_or_else(|e| e.into_inner());
                 }
             };
-            let Job {
-                key,
-                mut buf,
-                prefetch,
-                rewrite,
-            } = job;
+            let (
+                Job {
+                    key,
+                    mut buf,
+                    prefetch,
+                    rewrite,
+                },
+                guess,
+            ) = job;
             let started = {
                 let mut q = lock(&self.queue);
                 let now = Instant::now();
@@ -619,6 +656,12 @@ impl Inner {
                 }
                 q.in_flight -= 1;
                 q.reading -= 1;
+                if guess {
+                    q.guesses_reading -= 1;
+                    if !q.prefetch.is_empty() {
+                        self.work.notify_one();
+                    }
+                }
                 if q.reading == 0 {
                     if let Some((first, last)) = q.window.take() {
                         let active = last.saturating_duration_since(first);
@@ -997,9 +1040,10 @@ impl ExpertSource for StreamingSource {
         let c = &inner.counters;
         let mut st = lock(&inner.state);
         st.rewrite_guesses = rewrite;
-        inner.cancel_prefetches(&mut st, layer, experts);
-        st.entries
-            .begin_fetch(layer, experts.len() * 4 <= inner.table.num_experts(layer));
+        // At most a quarter of the layer's experts: a decode step's fetch, not a prompt chunk's.
+        let sparse = experts.len() * 4 <= inner.table.num_experts(layer);
+        inner.cancel_prefetches(&mut st, layer, experts, sparse);
+        st.entries.begin_fetch(layer, sparse);
         let pass = st.entries.pass;
         // The first position asking for each expert; later ones get a copy of its record (one read, one slot).
         let mut first: HashMap<usize, usize> = HashMap::with_capacity(experts.len());

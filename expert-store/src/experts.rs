@@ -349,6 +349,7 @@ mod tests {
                     let opts = EngineOptions {
                         cache_bytes: slots * crate::SLOT_ALIGN as u64,
                         io_depth: depth,
+                        guess_depth: depth,
                         verify: true,
                         // Engines with and without the background prefault must serve the same bytes.
                         prefault: depth == 1,

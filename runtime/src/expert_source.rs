@@ -100,6 +100,7 @@ pub(crate) fn open_source(
         &EngineOptions {
             cache_bytes,
             io_depth: opts.io_depth,
+            guess_depth: opts.guess_depth,
             verify: opts.verify,
             // An explicit `--expert-cache` beyond the machine's room stays lazy (see the option).
             prefault: plan.fits(),

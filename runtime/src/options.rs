@@ -69,6 +69,9 @@ pub struct ExpertOptions {
     pub cache_bytes: Option<u64>,
     /// Reads in flight at once.
     pub io_depth: usize,
+    /// Guessed (prefetched) reads in flight at once, at most `io_depth` (see
+    /// [`expert_store::EngineOptions::guess_depth`]).
+    pub guess_depth: usize,
     /// How records are read (the plan resolves `Auto`; see [`crate::MemoryPlan::direct_io`]).
     pub io: IoMode,
     /// Check packed records' checksums on every read.
@@ -140,6 +143,7 @@ impl Default for ExpertOptions {
             mode: ExpertMode::Auto,
             cache_bytes: None,
             io_depth: 8,
+            guess_depth: expert_store::DEFAULT_GUESS_DEPTH,
             io: IoMode::Auto,
             verify: true,
             prefetch: PrefetchMode::Auto,

@@ -253,8 +253,7 @@ fn read_error_fails_one_generation_and_the_engine_recovers() {
             &EngineOptions {
                 cache_bytes: 1 << 20,
                 io_depth: 2,
-                verify: true,
-                prefault: true,
+                ..EngineOptions::default()
             },
         )
         .unwrap(),

@@ -149,6 +149,8 @@ pub(crate) struct Report {
     pub(crate) expert_bytes_per_token: u64,
     pub(crate) cache_slots: Option<usize>,
     pub(crate) io_depth: usize,
+    /// Of those reads, how many may be guesses.
+    pub(crate) guess_depth: usize,
     pub(crate) prefill_chunk: usize,
     pub(crate) direct_io: bool,
     /// Expert records rewritten into the int8 kernels' tiles as they load.
@@ -400,6 +402,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         expert_bytes_per_token: record_bytes * (top_k * moe_layers) as u64,
         cache_slots: slots,
         io_depth: opts.io_depth,
+        guess_depth: opts.guess_depth.clamp(1, opts.io_depth.max(1)),
         prefill_chunk: chunk,
         direct_io: m.memory_plan.direct_io,
         tiled_experts: m.info.tiled_experts,
@@ -674,10 +677,11 @@ fn print_table(r: &Report) {
         r.expert_bytes_per_token as f64 / 1e6
     );
     println!(
-        "mode {} | slots {} | io depth {} | direct {} | tiled {} | prefetch {} | kv {} | threads {} | load {:.1} s",
+        "mode {} | slots {} | io depth {} ({} guesses) | direct {} | tiled {} | prefetch {} | kv {} | threads {} | load {:.1} s",
         r.mode,
         r.cache_slots.map_or("-".into(), |s| s.to_string()),
         r.io_depth,
+        r.guess_depth,
         r.direct_io,
         r.tiled_experts,
         r.prefetch,

@@ -24,6 +24,11 @@ pub struct EngineArgs {
     /// Expert reads in flight at once (I/O threads).
     #[arg(long, default_value_t = 8, env = "SLUICE_IO_DEPTH")]
     pub io_depth: usize,
+    /// Guessed (prefetched) expert reads in flight at once (more than --io-depth acts as --io-depth): the
+    /// others wait, where a layer's real routes can still cancel them, and reads a step waits for share the
+    /// disk with fewer.
+    #[arg(long, default_value_t = expert_store::DEFAULT_GUESS_DEPTH, env = "SLUICE_GUESS_DEPTH")]
+    pub guess_depth: usize,
     /// How streamed expert records are read: `auto` (direct when the slot cache takes at least half the
     /// memory left for experts, as the default cache does; through the page cache when a smaller
     /// --expert-cache leaves it more room), `direct` (O_DIRECT on Linux, F_NOCACHE on macOS) or `buffered`.
@@ -90,6 +95,9 @@ impl EngineArgs {
         if self.io_depth == 0 || self.io_depth > 256 {
             bail!("--io-depth must be between 1 and 256");
         }
+        if self.guess_depth == 0 {
+            bail!("--guess-depth must be at least 1");
+        }
         let mode = match (self.experts, self.expert_cache) {
             (ExpertMode::Auto, Some(_)) => ExpertMode::Stream,
             (m, _) => m,
@@ -98,6 +106,7 @@ impl EngineArgs {
             mode,
             cache_bytes: self.expert_cache,
             io_depth: self.io_depth,
+            guess_depth: self.guess_depth,
             io: if self.direct_io { IoMode::Direct } else { self.io },
             verify: !self.no_verify,
             prefetch: self.prefetch,

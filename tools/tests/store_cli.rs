@@ -169,6 +169,12 @@ fn bench_reports_runs_and_probes_as_json() {
         "{v}"
     );
     assert!(v["fresh_memory_gb_s"].as_f64().unwrap() > 0.0);
+    // Two of the eight reads in flight may be guesses by default.
+    assert_eq!(
+        (v["io_depth"].as_u64(), v["guess_depth"].as_u64()),
+        (Some(8), Some(2)),
+        "{v}"
+    );
     // Short warm runs with `extra` flags.
     let warm = |extra: &[&str]| -> Vec<String> {
         let base = "bench -m {} -p 2 -n 2 --runs warm --probe-seconds 0".split(' ');

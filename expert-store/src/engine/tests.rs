@@ -152,6 +152,7 @@ fn options(cache_bytes: u64, io_depth: usize) -> EngineOptions {
     EngineOptions {
         cache_bytes,
         io_depth,
+        guess_depth: io_depth,
         verify: true,
         prefault: true,
     }
@@ -505,6 +506,61 @@ fn queued_prefetch_is_promoted_when_demanded() {
     // The cancelled records are read again when asked for.
     fetch_all(&src, &[1, 2], true).unwrap();
     assert_eq!(file.reads(), offsets(&[0, 3, 1, 2]));
+}
+
+/// At most `guess_depth` guesses are read at once, whatever the I/O threads: the rest wait in the queue, where
+/// their layer's fetch promotes the ones it needs (read at once, beside the guess in flight) and cancels the
+/// others unread.
+#[test]
+fn guesses_are_read_at_most_guess_depth_at_once() {
+    let (t, file) = table();
+    let opts = EngineOptions {
+        guess_depth: 1,
+        ..options(8 * SLOT, 4)
+    };
+    let src = StreamingSource::new(t, &opts).unwrap();
+    file.close();
+    src.prefetch(LAYER, &[0, 1, 2]);
+    file.wait_started(1);
+    // Three idle I/O threads: without the limit they start guesses 1 and 2 at once.
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(file.reads(), offsets(&[0]), "a second guess started");
+    let mut f = src.fetch_layer(LAYER, &[1, 5]).unwrap();
+    file.wait_started(3); // 1 (promoted) and 5 start while guess 0 is still held
+    let mut started = file.reads();
+    started.sort_unstable();
+    assert_eq!(started, offsets(&[0, 1, 5]));
+    file.open();
+    let mut got: Vec<usize> = std::iter::from_fn(|| f.next_ready()).map(|r| r.unwrap().0).collect();
+    got.sort_unstable();
+    assert_eq!(got, [0, 1]);
+    drop(f);
+    src.wait_idle();
+    assert_eq!(file.reads().len(), 3, "the guess of 2 was cancelled unread");
+    let c = counters(&src);
+    assert_eq!((c.prefetch_issued, c.prefetch_cancelled, c.reads), (3, 1, 3), "{c:?}");
+}
+
+/// After a prompt chunk's fetch (most of a layer) guesses are not held back: they are nearly all right.
+#[test]
+fn a_prompt_chunks_guesses_are_read_all_at_once() {
+    let (t, file) = table_of(&[0, 1]);
+    let opts = EngineOptions {
+        guess_depth: 1,
+        ..options(16 * SLOT, 4)
+    };
+    let src = StreamingSource::new(t, &opts).unwrap();
+    let all: Vec<usize> = (0..EXPERTS).collect();
+    let mut f = src.fetch_layer(0, &all).unwrap();
+    while f.next_ready().is_some() {}
+    drop(f);
+    src.wait_idle();
+    file.close();
+    src.prefetch(1, &[0, 1, 2]);
+    file.wait_started(EXPERTS + 3);
+    file.open();
+    src.wait_idle();
+    assert_eq!(counters(&src).reads, EXPERTS as u64 + 3);
 }
 
 /// Predictions are read nearest layer first after the layer fetched last (cyclically: after the last layer
