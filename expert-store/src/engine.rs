@@ -56,9 +56,9 @@ pub struct EngineOptions {
     pub cache_bytes: u64,
     /// I/O threads, i.e. reads in flight at once.
     pub io_depth: usize,
-    /// Guesses (prefetches) read at once, at most `io_depth`. The rest wait in the queue, where their layer's
-    /// fetch can still cancel them and a newer guess replace them, and a demand read shares the disk with no
-    /// more than this many guesses.
+    /// Guesses (prefetches) read at once after a decode step's fetch (0 acts as 1, more than `io_depth` as
+    /// `io_depth`). The rest wait in the queue, where their layer's fetch can still cancel them and a newer
+    /// guess replace them, and a read the step waits for shares the disk with no more guesses than this.
     pub guess_depth: usize,
     /// Check each packed record's checksum after reading it.
     pub verify: bool,
@@ -66,6 +66,13 @@ pub struct EngineOptions {
     /// Only for a budget the machine has room for: backing an overcommitted one would push out other memory
     /// at once instead of when the cache fills.
     pub prefault: bool,
+}
+
+impl EngineOptions {
+    /// The guesses read at once that these options give: `guess_depth` within 1..=`io_depth`.
+    pub fn effective_guess_depth(&self) -> usize {
+        self.guess_depth.clamp(1, self.io_depth.max(1))
+    }
 }
 
 impl Default for EngineOptions {
@@ -127,8 +134,9 @@ struct Queue {
     guesses_reading: usize,
     /// At most this many guesses are read at once while `guesses_limited`.
     guess_depth: usize,
-    /// Whether the latest fetch was sparse (a decode step's). A prompt's chunk uses nearly every expert of
-    /// every layer, so its guesses are nearly all right: nothing is gained by holding them back.
+    /// Whether the latest fetch was sparse (a decode step's; true before the first fetch). A prompt's chunk
+    /// uses most experts of every layer, so its guesses are nearly all right: nothing is gained by holding
+    /// them back.
     guesses_limited: bool,
 }
 
@@ -146,8 +154,9 @@ impl Queue {
         let best = (self.prefetch.iter().enumerate())
             .min_by_key(|(i, j)| (layers_after(focus, j.key.0, cycle), *i))
             .map(|(i, _)| i)?;
+        let job = self.prefetch.remove(best)?;
         self.guesses_reading += 1;
-        self.prefetch.remove(best).map(|j| (j, true))
+        Some((job, true))
     }
 }
 
@@ -329,7 +338,7 @@ impl StreamingSource {
             arrived: Condvar::new(),
             queue: Mutex::new(Queue {
                 layer_cycle,
-                guess_depth: opts.guess_depth.clamp(1, opts.io_depth.max(1)),
+                guess_depth: opts.effective_guess_depth(),
                 guesses_limited: true,
                 ..Queue::default()
             }),
@@ -546,12 +555,13 @@ impl Inner {
     /// Makes `layer` the focus of the prefetch order, limits the guesses read at once after a `sparse` fetch
     /// only, and cancels `layer`'s queued prefetches of experts not in `wanted`.
     fn cancel_prefetches(&self, st: &mut State, layer: usize, wanted: &[usize], sparse: bool) {
-        {
+        let lifted = {
             let mut q = lock(&self.queue);
             q.focus = layer;
-            q.guesses_limited = sparse;
-        }
-        if !sparse {
+            std::mem::replace(&mut q.guesses_limited, sparse) && !sparse
+        };
+        if lifted {
+            // Guesses held back by the limit may be waiting with idle I/O threads.
             self.work.notify_all();
         }
         self.drop_queued_prefetches(st, layer, wanted);

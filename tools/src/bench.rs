@@ -402,7 +402,12 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         expert_bytes_per_token: record_bytes * (top_k * moe_layers) as u64,
         cache_slots: slots,
         io_depth: opts.io_depth,
-        guess_depth: opts.guess_depth.clamp(1, opts.io_depth.max(1)),
+        guess_depth: expert_store::EngineOptions {
+            io_depth: opts.io_depth,
+            guess_depth: opts.guess_depth,
+            ..Default::default()
+        }
+        .effective_guess_depth(),
         prefill_chunk: chunk,
         direct_io: m.memory_plan.direct_io,
         tiled_experts: m.info.tiled_experts,

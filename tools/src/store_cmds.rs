@@ -24,9 +24,9 @@ pub struct EngineArgs {
     /// Expert reads in flight at once (I/O threads).
     #[arg(long, default_value_t = 8, env = "SLUICE_IO_DEPTH")]
     pub io_depth: usize,
-    /// Guessed (prefetched) expert reads in flight at once (more than --io-depth acts as --io-depth): the
-    /// others wait, where a layer's real routes can still cancel them, and reads a step waits for share the
-    /// disk with fewer.
+    /// Guessed (prefetched) expert reads in flight at once after a decode step's fetch (more than --io-depth
+    /// acts as --io-depth): the others wait, where a layer's real routes can still cancel them, and reads a
+    /// step waits for share the disk with fewer.
     #[arg(long, default_value_t = expert_store::DEFAULT_GUESS_DEPTH, env = "SLUICE_GUESS_DEPTH")]
     pub guess_depth: usize,
     /// How streamed expert records are read: `auto` (direct when the slot cache takes at least half the

@@ -541,26 +541,28 @@ fn guesses_are_read_at_most_guess_depth_at_once() {
     assert_eq!((c.prefetch_issued, c.prefetch_cancelled, c.reads), (3, 1, 3), "{c:?}");
 }
 
-/// After a prompt chunk's fetch (most of a layer) guesses are not held back: they are nearly all right.
+/// A prompt chunk's fetch (most of a layer) releases the guesses held back, and later ones are not held:
+/// they are nearly all right.
 #[test]
 fn a_prompt_chunks_guesses_are_read_all_at_once() {
-    let (t, file) = table_of(&[0, 1]);
+    let (t, file) = table_of(&[0, 1, 2]);
     let opts = EngineOptions {
         guess_depth: 1,
-        ..options(16 * SLOT, 4)
+        ..options(24 * SLOT, 16)
     };
     let src = StreamingSource::new(t, &opts).unwrap();
-    let all: Vec<usize> = (0..EXPERTS).collect();
-    let mut f = src.fetch_layer(0, &all).unwrap();
-    while f.next_ready().is_some() {}
-    drop(f);
-    src.wait_idle();
     file.close();
     src.prefetch(1, &[0, 1, 2]);
-    file.wait_started(EXPERTS + 3);
+    file.wait_started(1); // one guess read, two held
+    let all: Vec<usize> = (0..EXPERTS).collect();
+    let f = src.fetch_layer(0, &all).unwrap();
+    file.wait_started(1 + EXPERTS + 2); // the chunk's reads and both held guesses, beside the first
+    src.prefetch(2, &[0, 1, 2]);
+    file.wait_started(1 + EXPERTS + 2 + 3);
     file.open();
+    drop(f);
     src.wait_idle();
-    assert_eq!(counters(&src).reads, EXPERTS as u64 + 3);
+    assert_eq!(counters(&src).reads, EXPERTS as u64 + 6);
 }
 
 /// Predictions are read nearest layer first after the layer fetched last (cyclically: after the last layer
