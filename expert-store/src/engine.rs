@@ -667,10 +667,8 @@ impl Inner {
                 q.in_flight -= 1;
                 q.reading -= 1;
                 if guess {
+                    // This thread pops again right after, so a guess held back by the limit needs no wake-up.
                     q.guesses_reading -= 1;
-                    if !q.prefetch.is_empty() {
-                        self.work.notify_one();
-                    }
                 }
                 if q.reading == 0 {
                     if let Some((first, last)) = q.window.take() {
