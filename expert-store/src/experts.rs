@@ -49,7 +49,8 @@ pub trait ExpertSource: Send + Sync {
         rewrite: bool,
     ) -> Result<Box<dyn ExpertFetch + 'a>, StoreError>;
 
-    /// Hints that `experts` of `layer` will probably be needed soon (read on idle I/O capacity if useful).
+    /// Hints that `experts` of `layer` (likeliest first) will probably be needed soon (read on idle I/O
+    /// capacity if useful, in that order).
     fn prefetch(&self, _layer: usize, _experts: &[usize]) {}
 
     /// Empties the source's caches (its slots and the OS page cache of its files) so the next reads are

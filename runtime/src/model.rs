@@ -16,8 +16,8 @@ use crate::gated_delta::GatedDeltaNet;
 use crate::linear::Linear;
 use crate::memory_plan::MemoryPlan;
 use crate::moe::{Mlp, RouterKind, SparseMoe};
-use crate::prefetch::GuessBook;
 pub use crate::prefetch::PrefetchMode;
+use crate::prefetch::{merge_ranked, GuessBook};
 use crate::profile::{Part, StepProfile};
 use crate::sequence::{KvCache, LayerState, Sequence};
 
@@ -120,7 +120,7 @@ pub(crate) struct Model<B: Backend> {
 /// Per MoE layer: the layer and, per sequence, its last token's experts.
 type LastExperts = Vec<(usize, Vec<Vec<usize>>)>;
 
-/// Predicted experts of the layers ahead, nearest first: (store layer, experts ascending).
+/// Predicted experts of the layers ahead, nearest first: (store layer, experts likeliest first).
 pub(crate) type Prediction = Vec<(usize, Vec<usize>)>;
 
 /// A fresh id for each model, so a cache is only ever run by the model that made it.
@@ -141,6 +141,7 @@ pub(crate) trait Runner: Send {
     fn backend_name(&self) -> &'static str;
     fn prefetch(&self) -> (PrefetchMode, usize);
     fn guess_precision(&self) -> Option<f64>;
+    fn guess_precision_by_rank(&self) -> Vec<Vec<Option<f64>>>;
 }
 
 impl<B: Backend> Model<B> {
@@ -174,9 +175,11 @@ impl<B: Backend> Model<B> {
         Ok(k)
     }
 
-    /// The experts the next `prefetch_ahead` MoE layers after layer `i` will probably need, nearest first,
-    /// from `x` (the residual stream after layer `i`'s mixer): per layer, the union over the batch's rows.
-    /// Decode steps' guesses are remembered for scoring; none are returned while the gate is shut.
+    /// The experts the next `prefetch_ahead` MoE layers after layer `i` will probably need, nearest layer first
+    /// and likeliest first within a layer, from `x` (the residual stream after layer `i`'s mixer): per layer,
+    /// the union over the batch's rows. A decode step always guesses, to score every distance and rank, and
+    /// returns the guesses whose distance and rank have proved right; a prompt's chunk guesses only while the
+    /// nearest guesses as a whole do.
     fn predict_ahead(
         &self,
         i: usize,
@@ -188,9 +191,8 @@ impl<B: Backend> Model<B> {
         if matches!(self.prefetch, PrefetchMode::None | PrefetchMode::Auto) {
             return Ok(Vec::new());
         }
-        // A shut gate still guesses in decode (to score the guesses and reopen), never in prefill.
-        let open = self.guess_book().open(self.prefetch_min_precision);
-        if !open && !decode {
+        let min = self.prefetch_min_precision;
+        if !decode && !self.guess_book().open(min) {
             return Ok(Vec::new());
         }
         let mut out = Vec::new();
@@ -198,24 +200,25 @@ impl<B: Backend> Model<B> {
             let Ffn::Moe(moe) = &layer.ffn else {
                 continue;
             };
-            let mut experts = match self.prefetch {
+            let rows = match self.prefetch {
                 PrefetchMode::None | PrefetchMode::Auto => Vec::new(),
-                PrefetchMode::PrevToken => seqs.iter().flat_map(|s| s.last_experts[j].iter().copied()).collect(),
+                PrefetchMode::PrevToken => seqs.iter().map(|s| s.last_experts[j].clone()).collect(),
                 PrefetchMode::NextLayer => {
                     moe.predict(&self.be, &self.be.rms_norm(x, &layer.post_norm, self.eps)?, ks)?
                 }
             };
-            experts.sort_unstable();
-            experts.dedup();
-            if decode {
-                self.guess_book().record(j, &experts);
-            }
+            let guess = merge_ranked(&rows, moe.num_experts);
+            let experts: Vec<usize> = if decode {
+                let mut book = self.guess_book();
+                book.record(j, j - i, &guess);
+                let wanted = guess.iter().filter(|&&(_, rank)| book.wanted(j - i, rank, min));
+                wanted.map(|&(e, _)| e).collect()
+            } else {
+                guess.iter().map(|&(e, _)| e).collect()
+            };
             if !experts.is_empty() {
                 out.push((moe.layer, experts));
             }
-        }
-        if !open {
-            out.clear();
         }
         Ok(out)
     }
@@ -450,6 +453,10 @@ impl<B: Backend> Runner for Model<B> {
     fn guess_precision(&self) -> Option<f64> {
         self.guess_book().precision()
     }
+
+    fn guess_precision_by_rank(&self) -> Vec<Vec<Option<f64>>> {
+        self.guess_book().precision_by_rank()
+    }
 }
 
 /// A loaded model on its backend: what generate, serve and bench run.
@@ -502,6 +509,12 @@ impl DecoderModel {
     /// `None` before any guess was scored).
     pub fn guess_precision(&self) -> Option<f64> {
         self.runner.guess_precision()
+    }
+
+    /// The same share per distance (`[0]`: guesses for the next layer) and rank (`[d][0]`: the router's first
+    /// choice): which of them `--prefetch auto` reads.
+    pub fn guess_precision_by_rank(&self) -> Vec<Vec<Option<f64>>> {
+        self.runner.guess_precision_by_rank()
     }
 
     /// The backend computing this model (`cpu`, `mlx`, `reference`).

@@ -254,13 +254,13 @@ impl<B: Backend> SparseMoe<B> {
         Ok((out, plan))
     }
 
-    /// The experts this layer's router picks for the normalized rows `x` (row `t` takes `ks[t]`), in any
-    /// order, possibly repeated: the prefetch guess for a layer ahead.
-    pub fn predict(&self, be: &B, x: &B::Tensor, ks: &[usize]) -> Result<Vec<usize>> {
+    /// The experts this layer's router picks for each of the normalized rows `x` (row `t` takes `ks[t]`), best
+    /// first: the prefetch guess for a layer ahead.
+    pub fn predict(&self, be: &B, x: &B::Tensor, ks: &[usize]) -> Result<Vec<Vec<usize>>> {
         let logits = be.to_host(&be.matmul(&self.router, x)?)?;
         let rows = logits.chunks(self.num_experts).zip(ks);
         Ok(rows
-            .flat_map(|(l, &k)| self.kind.route(l, k.min(self.num_experts)).0)
+            .map(|(l, &k)| self.kind.route(l, k.min(self.num_experts)).0)
             .collect())
     }
 }

@@ -38,64 +38,151 @@ impl std::str::FromStr for PrefetchMode {
 /// field's 53% that lost 38% (flash-moe) and the 62–90% that won here (README, "Prefetch").
 pub const AUTO_MIN_PRECISION: f64 = 0.6;
 
-/// Weight of the older history per scored layer: the precision follows the last few hundred layer steps.
+/// Weight of the older history per scored guess: a precision follows its last few hundred scored guesses.
 const DECAY: f64 = 0.995;
 
-/// Guessed experts scored before the precision gates anything (until then guesses are read).
+/// Guessed experts scored before a precision gates anything (until then guesses are read).
 const WARMUP: f64 = 32.0;
 
-/// The running precision of the guesses of one model.
-#[derive(Debug, Default)]
-pub(crate) struct GuessBook {
-    /// Per decoder layer: the latest guess for it, not yet scored.
-    pending: Vec<Vec<usize>>,
-    /// Decayed count of guessed experts the layer then used.
+/// Decayed counts of guessed experts and of those then used.
+#[derive(Debug, Default, Clone, Copy)]
+struct Tally {
     right: f64,
-    /// Decayed count of guessed experts.
     guessed: f64,
 }
 
-impl GuessBook {
-    /// Remembers `guess` (ascending) as the latest for decoder layer `layer`.
-    pub fn record(&mut self, layer: usize, guess: &[usize]) {
-        if self.pending.len() <= layer {
-            self.pending.resize(layer + 1, Vec::new());
-        }
-        self.pending[layer].clear();
-        self.pending[layer].extend_from_slice(guess);
-    }
-
-    /// Scores the pending guess for `layer` against the experts it used (ascending); returns (guessed,
-    /// used) expert counts.
-    pub fn score(&mut self, layer: usize, used: &[usize]) -> (usize, usize) {
-        let Some(guess) = self.pending.get_mut(layer).filter(|g| !g.is_empty()) else {
-            return (0, 0);
-        };
-        let right = guess.iter().filter(|e| used.binary_search(e).is_ok()).count();
+impl Tally {
+    fn add(&mut self, guessed: usize, right: usize) {
         self.right = self.right * DECAY + right as f64;
-        self.guessed = self.guessed * DECAY + guess.len() as f64;
-        let guessed = guess.len();
-        guess.clear();
-        (guessed, right)
+        self.guessed = self.guessed * DECAY + guessed as f64;
     }
 
-    /// Recent share of guessed experts that were used (`None` before any was scored).
-    pub fn precision(&self) -> Option<f64> {
+    fn precision(&self) -> Option<f64> {
         (self.guessed > 0.0).then(|| self.right / self.guessed)
     }
 
-    /// Whether guesses should be read, for a minimum precision `min` (`None`: always).
+    /// Still warming up, or at least `min` precise.
+    fn passes(&self, min: f64) -> bool {
+        self.guessed < WARMUP || self.precision().is_some_and(|p| p >= min)
+    }
+}
+
+/// One guessed expert: the expert and its rank in the router's order (0: the router's first choice).
+pub(crate) type RankedGuess = (usize, usize);
+
+/// The running precision of the guesses of one model: overall (for the nearest guess of each layer) and per
+/// (layers ahead, rank), since a layer's guess from further back, or of a lower rank, is right less often.
+#[derive(Debug, Default)]
+pub(crate) struct GuessBook {
+    /// Per decoder layer, per distance (layers ahead, from 1): the latest guess for it, not yet scored.
+    pending: Vec<Vec<Vec<RankedGuess>>>,
+    /// The nearest guess of each scored layer step.
+    nearest: Tally,
+    /// Per distance (from 1), per rank.
+    cells: Vec<Vec<Tally>>,
+}
+
+impl GuessBook {
+    /// Remembers `guess` as the latest made `distance` (≥ 1) layers ahead of decoder layer `layer`.
+    pub fn record(&mut self, layer: usize, distance: usize, guess: &[RankedGuess]) {
+        if self.pending.len() <= layer {
+            self.pending.resize(layer + 1, Vec::new());
+        }
+        let slots = &mut self.pending[layer];
+        if slots.len() < distance {
+            slots.resize(distance, Vec::new());
+        }
+        let slot = &mut slots[distance.max(1) - 1];
+        slot.clear();
+        slot.extend_from_slice(guess);
+    }
+
+    /// Scores the pending guesses for `layer` against the experts it used (ascending); returns (guessed,
+    /// used) expert counts of the nearest one.
+    pub fn score(&mut self, layer: usize, used: &[usize]) -> (usize, usize) {
+        let Some(slots) = self.pending.get_mut(layer) else {
+            return (0, 0);
+        };
+        let mut nearest = None;
+        for (d, guess) in slots.iter_mut().enumerate().filter(|(_, g)| !g.is_empty()) {
+            if self.cells.len() <= d {
+                self.cells.resize(d + 1, Vec::new());
+            }
+            let cells = &mut self.cells[d];
+            let mut right = 0;
+            for &(e, rank) in guess.iter() {
+                if cells.len() <= rank {
+                    cells.resize(rank + 1, Tally::default());
+                }
+                let hit = used.binary_search(&e).is_ok();
+                cells[rank].add(1, usize::from(hit));
+                right += usize::from(hit);
+            }
+            nearest.get_or_insert((guess.len(), right));
+            guess.clear();
+        }
+        let Some((guessed, right)) = nearest else {
+            return (0, 0);
+        };
+        self.nearest.add(guessed, right);
+        (guessed, right)
+    }
+
+    /// Recent share of the nearest guesses' experts that were used (`None` before any was scored).
+    pub fn precision(&self) -> Option<f64> {
+        self.nearest.precision()
+    }
+
+    /// Whether a prompt's guesses should be read, for a minimum precision `min` (`None`: always): while the
+    /// nearest guesses as a whole are at least that precise (a prompt's guess is the union over its rows, with
+    /// no rank worth gating on).
     pub fn open(&self, min: Option<f64>) -> bool {
-        match min {
-            None => true,
-            Some(min) => self.guessed < WARMUP || self.precision().is_some_and(|p| p >= min),
+        min.is_none_or(|min| self.nearest.passes(min))
+    }
+
+    /// Recent precision per distance (from 1) and rank (from the router's first choice).
+    pub fn precision_by_rank(&self) -> Vec<Vec<Option<f64>>> {
+        (self.cells.iter())
+            .map(|c| c.iter().map(Tally::precision).collect())
+            .collect()
+    }
+
+    /// Whether a guess of rank `rank` made `distance` layers ahead is worth reading, for a minimum precision
+    /// `min` (`None`: always): its cell's recent precision is at least `min`, or the cell is still warming up.
+    pub fn wanted(&self, distance: usize, rank: usize, min: Option<f64>) -> bool {
+        let Some(min) = min else {
+            return true;
+        };
+        let cell = (self.cells.get(distance.max(1) - 1)).and_then(|c| c.get(rank));
+        cell.is_none_or(|c| c.passes(min))
+    }
+}
+
+/// The union of per-row guesses (each best first, experts below `num_experts`) in rank order: every row's first
+/// choice, then every row's second, and so on; an expert keeps its best rank.
+pub(crate) fn merge_ranked(rows: &[Vec<usize>], num_experts: usize) -> Vec<RankedGuess> {
+    let longest = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let mut seen = vec![false; num_experts];
+    let mut out: Vec<RankedGuess> = Vec::new();
+    for rank in 0..longest {
+        for e in rows.iter().filter_map(|r| r.get(rank).copied()) {
+            if seen.get(e) == Some(&false) {
+                seen[e] = true;
+                out.push((e, rank));
+            }
         }
     }
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `experts` as a guess ranked in the given order.
+    fn ranked(experts: &[usize]) -> Vec<RankedGuess> {
+        experts.iter().enumerate().map(|(rank, &e)| (e, rank)).collect()
+    }
 
     #[test]
     fn guesses_are_read_only_while_they_prove_right() {
@@ -103,7 +190,7 @@ mod tests {
         assert!(b.open(Some(AUTO_MIN_PRECISION)) && b.precision().is_none());
         // Half right, long enough to leave the warm-up: the gate closes; forced modes still read.
         for _ in 0..40 {
-            b.record(3, &[1, 2, 5, 7]);
+            b.record(3, 1, &ranked(&[1, 2, 5, 7]));
             b.score(3, &[1, 2, 4, 6]);
         }
         assert!((b.precision().unwrap() - 0.5).abs() < 1e-9);
@@ -115,9 +202,51 @@ mod tests {
         assert!((b.precision().unwrap() - 0.5).abs() < 1e-9);
         // Guesses that turn right reopen it.
         for _ in 0..200 {
-            b.record(0, &[2, 3]);
+            b.record(0, 1, &ranked(&[2, 3]));
             b.score(0, &[2, 3, 8]);
         }
         assert!(b.precision().unwrap() > 0.9 && b.open(Some(AUTO_MIN_PRECISION)));
+    }
+
+    #[test]
+    fn each_distance_and_rank_is_judged_on_its_own() {
+        let min = Some(AUTO_MIN_PRECISION);
+        let mut b = GuessBook::default();
+        // Next layer: the first two ranks right, the last two wrong (half right overall). Two layers ahead:
+        // only the first rank right.
+        for step in 0..60 {
+            let layer = step % 5;
+            b.record(layer, 2, &ranked(&[4, 9, 10, 11]));
+            b.record(layer, 1, &ranked(&[4, 5, 6, 7]));
+            assert_eq!(
+                b.score(layer, &[1, 4, 5]),
+                (4, 2),
+                "the nearest guess is the one counted"
+            );
+        }
+        assert!((b.precision().unwrap() - 0.5).abs() < 1e-9);
+        assert!(!b.open(min), "a prompt's guesses follow the nearest guesses as a whole");
+        let wanted = |d, ranks: std::ops::Range<usize>| ranks.map(|r| b.wanted(d, r, min)).collect::<Vec<_>>();
+        assert_eq!(wanted(1, 0..4), [true, true, false, false]);
+        assert_eq!(wanted(2, 0..4), [true, false, false, false]);
+        // Cells never scored (a farther distance, a lower rank) are read until they have a record.
+        assert!(b.wanted(3, 0, min) && b.wanted(1, 7, min));
+        assert!(b.wanted(1, 3, None), "forced modes read every guess");
+        let p = b.precision_by_rank();
+        assert_eq!((p.len(), p[0].len(), p[1].len()), (2, 4, 4));
+        assert_eq!(
+            (p[0][1], p[0][2], p[1][0], p[1][1]),
+            (Some(1.0), Some(0.0), Some(1.0), Some(0.0))
+        );
+    }
+
+    #[test]
+    fn merged_guesses_keep_each_experts_best_rank() {
+        let rows = vec![vec![3, 1, 7], vec![1, 5], vec![], vec![3, 9, 2]];
+        let m = merge_ranked(&rows, 10);
+        assert_eq!(m, [(3, 0), (1, 0), (5, 1), (9, 1), (7, 2), (2, 2)]);
+        // Out-of-range experts (a corrupt route) are dropped, not a panic.
+        assert_eq!(merge_ranked(&[vec![12, 0]], 10), [(0, 1)]);
+        assert!(merge_ranked(&[], 10).is_empty());
     }
 }

@@ -97,6 +97,8 @@ pub(crate) struct RunReport {
     pub(crate) prefetch_wasted_bytes: u64,
     /// Recent share of the experts guessed for the layers ahead that those layers used (read or not).
     pub(crate) guess_precision: Option<f64>,
+    /// The same per distance (`[0]`: the next layer) and rank (`[d][0]`: the router's first choice).
+    pub(crate) guess_precision_by_rank: Vec<Vec<Option<f64>>>,
     /// Expert bytes read from disk per prompt token during prefill.
     pub(crate) prefill_read_bytes_per_token: f64,
     pub(crate) prefill_hit_rate: f64,
@@ -574,6 +576,7 @@ pub(crate) fn measure(
         prefault_cpu_cores: c.prefault_cpu_seconds / secs,
         prefetch_wasted_bytes: c.prefetch_wasted_bytes,
         guess_precision: m.guess_precision(),
+        guess_precision_by_rank: m.guess_precision_by_rank(),
         prefill_read_bytes_per_token: p.bytes_read() as f64 / prompt as f64,
         prefill_hit_rate: p.hit_rate(),
         prefill_io_wait_share: p.io_wait_seconds / prefill.as_secs_f64(),
@@ -744,6 +747,18 @@ fn print_table(r: &Report) {
         );
     }
     for x in &r.runs {
+        for (d, ranks) in x.guess_precision_by_rank.iter().enumerate() {
+            let cells: Vec<String> = (ranks.iter())
+                .map(|p| p.map_or("-".into(), |p| format!("{:.0}", 100.0 * p)))
+                .collect();
+            println!(
+                "{} guess % by rank (router's first choice first), {} layer{} ahead: {}",
+                x.run,
+                d + 1,
+                if d == 0 { "" } else { "s" },
+                cells.join(" ")
+            );
+        }
         for (what, split) in [("prefill", &x.prefill_split), ("decode", &x.decode_split)] {
             let parts: Vec<String> = split
                 .iter()
