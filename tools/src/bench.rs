@@ -144,6 +144,8 @@ pub(crate) struct Bound {
 pub(crate) struct Report {
     pub(crate) model: String,
     pub(crate) mode: String,
+    /// Whether experts come from a packed store (one read per record), not the checkpoint's stacked tensors.
+    pub(crate) packed_store: bool,
     pub(crate) experts: usize,
     pub(crate) top_k: usize,
     pub(crate) layers: usize,
@@ -397,6 +399,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
     let report = Report {
         model: a.model.display().to_string(),
         mode: format!("{:?}", m.memory_plan.placement).to_lowercase(),
+        packed_store: expert_store::is_store(&a.model),
         experts: m.info.num_experts,
         top_k,
         layers: m.info.num_layers,
@@ -702,6 +705,13 @@ fn print_table(r: &Report) {
             "disk probe: {d:.2} GB/s random reads of one record at depth {}",
             r.io_depth
         );
+        if !r.packed_store && r.mode == "stream" {
+            println!(
+                "hint: each record streams as one read per tensor of the checkpoint (weights, scales, biases); a \
+                 packed store (`sluice convert`) reads it in one, faster on disks that pay per read (README, \
+                 \"Packed stores\")"
+            );
+        }
     }
     if let (Some(d), Some(one), Some(four)) = (r.dram_probe_gb_s, r.dram_one_stream_gb_s, r.dram_four_streams_gb_s) {
         println!("DRAM probe: {d:.1} GB/s (one stream per thread {one:.1}, four in lockstep {four:.1})");
