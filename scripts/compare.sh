@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # sluice beside llama.cpp on the same weights, in one run, with this machine's limits probed in the same run.
-# The project's copy of ../shared/peers/compare.sh (same models, same flags, same measurements) with one addition:
+# The project's copy of ../shared/peers/compare.sh (same models, same flags, same measurements) with additions:
 # `large` also measures warm decode (llama.cpp: a second run right after the cold one, its page cache holding
 # what fits; sluice: bench's warm run after its cold one), and prints sluice's bounds (bench's optimal-cache
-# bound and in-RAM compute of the same shape); `medium` prints the weight bytes each decode streams per second
+# bound and in-RAM compute of the same shape), and runs sluice a second time on the same weights converted to a
+# packed store (`STORE=0` skips it); `medium` prints the weight bytes each decode streams per second
 # for both, against the DRAM probe (bench's `weight_bytes_per_token`, the same for both: identical weights).
 #   compare.sh medium   : 7.7 B Qwen3-MoE (H2048, 24 layers, 64 experts top-8), 4.35 GB: fits in RAM
 #   compare.sh large    : 51.7 B (48 layers, 224 experts top-8), 29 GB: bigger than a 24 GB machine's RAM
@@ -22,7 +23,8 @@ case $PRESET in
   large) GEN=(--preset large --exp w=12); NAME=large-w12 ;;
   *) echo "unknown preset $PRESET"; exit 1 ;;
 esac
-MLX="$M/$NAME-mlx"; GGUF="$M/$NAME-q4_0.gguf"
+MLX="$M/$NAME-mlx"; GGUF="$M/$NAME-q4_0.gguf"; STORE_DIR="$M/$NAME-store"
+rm -rf "$STORE_DIR"   # a packed store is converted afresh from this run's weights (large, below)
 gen() { "$PY" "$PEERS/make_medium_model.py" "${GEN[@]}" --mlx-out "$MLX" --gguf-out "$GGUF" "$@"; }
 # Both formats of `large` take 58 GB. Where the disk has less room than both plus a margin, each format is
 # written just before its runs and the other deleted first: the generator is seeded, so the weights are the
@@ -53,6 +55,17 @@ else
   "$LLAMA_BIN/llama-bench" -m "$GGUF" -t "$(nproc)" -p 0 -n 32 -r 1 --repack 0 -o json > "$OUT/llama-warm.json"
   want_mlx
   quiet; drop; "$SLUICE" bench -m "$MLX" -p 16 -n 32 --runs both --json ${SLUICE_FLAGS:-} > "$OUT/sluice.json"
+  # The same weights as a packed store (`sluice convert`: one read per record instead of one per tensor),
+  # converted afresh from this run's MLX directory and deleted after its run (it takes as much disk as the
+  # model). STORE=0 skips it.
+  free=$(df --output=avail -BG "$M" | tail -1 | tr -dc 0-9)
+  if [ "${STORE:-1}" = 1 ] && [ "$free" -ge 30 ]; then
+    "$SLUICE" convert --model "$MLX" --out "$STORE_DIR" > "$OUT/convert.log" 2>&1
+    quiet; drop; "$SLUICE" bench -m "$STORE_DIR" -p 16 -n 32 --runs both --json ${SLUICE_FLAGS:-} > "$OUT/sluice-store.json"
+    rm -rf "$STORE_DIR"
+  elif [ "${STORE:-1}" = 1 ]; then
+    echo "note: ${free} GB free, under 30: no packed-store run" >&2
+  fi
 fi
 "$PY" - "$OUT" "$PRESET" <<'PY'
 import json, sys, os
@@ -73,6 +86,11 @@ else:
     warm = json.load(open(f"{out}/llama-warm.json"))[0]["avg_ts"]
     rows.append(("decode tok/s, cold", tg, runs["cold"]["decode_tok_s"]))
     rows.append(("decode tok/s, warm", warm, runs["warm"]["decode_tok_s"]))
+    if os.path.exists(f"{out}/sluice-store.json"):
+        st = json.load(open(f"{out}/sluice-store.json"))
+        st_runs = {r["run"]: r for r in st["runs"]}
+        rows.append(("decode tok/s, cold, packed store", tg, st_runs["cold"]["decode_tok_s"]))
+        rows.append(("decode tok/s, warm, packed store", warm, st_runs["warm"]["decode_tok_s"]))
 lines = [f"# {preset}: sluice beside llama.cpp ({os.path.basename(out)})", "",
          "| | llama.cpp | sluice | sluice ÷ llama.cpp |", "|---|---|---|---|"]
 lines += [f"| {n} | {a:.2f} | {b:.2f} | {b / a:.2f} |" for n, a, b in rows]
@@ -89,7 +107,13 @@ if w and dram and preset == "medium":
 ram = sl.get("in_ram")
 if ram:
     lines.append(f"in-RAM compute of the same shape: prefill {ram['prefill_tok_s']:.2f}, decode {ram['decode_tok_s']:.2f} tok/s")
-for name, run in runs.items():
+sources = [("", sl)]
+if preset == "large" and os.path.exists(f"{out}/sluice-store.json"):
+    sources.append((" (packed store)", st))
+    lines.append(f"packed store: disk probe {st.get('disk_probe_gb_s') or 0:.2f} GB/s, "
+                 f"DRAM probe {st.get('dram_probe_gb_s') or 0:.1f} GB/s")
+for label, name, run in [(lb, n, r) for lb, src in sources for n, r in ((r["run"], r) for r in src["runs"])]:
+    name += label
     b = run.get("decode_bound")
     bound = (f", bound {b['tok_s']:.2f} tok/s ({b['limit']}), achieved {b['achieved']:.0%}; with an LRU cache "
              f"({b['lru_misses_per_token']:.1f} misses/token against the optimum's {b['optimal_misses_per_token']:.1f}) "
