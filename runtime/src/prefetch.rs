@@ -3,12 +3,14 @@
 //! A wrong guess costs a read the disk could have spent on a miss, and a slot; on big real models cross-layer
 //! guesses are right only ~50% of the time and have lost throughput (field notes §6). So under `auto` the
 //! guesses are always made (a router matmul per layer ahead, cheap) and scored against the routes the layers
-//! then take, but read only while their recent precision is at least [`AUTO_MIN_PRECISION`].
+//! then take, per (layers ahead, rank in the router's order): a guess is read only while the recent precision
+//! of its distance and rank is at least [`AUTO_MIN_PRECISION`]. The router's first choice for the next layer
+//! is right far more often than its last, or than any guess from further back.
 
 /// Which records the store is asked to read ahead of the layers that need them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum PrefetchMode {
-    /// `next-layer` when experts stream from disk, read only while the guesses prove right (else `none`).
+    /// `next-layer` when experts stream from disk, reading only the guesses whose distance and rank prove right.
     #[default]
     Auto,
     /// No speculative reads.
