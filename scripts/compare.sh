@@ -112,8 +112,8 @@ if preset == "large" and os.path.exists(f"{out}/sluice-store.json"):
     sources.append((" (packed store)", st))
     lines.append(f"packed store: disk probe {st.get('disk_probe_gb_s') or 0:.2f} GB/s, "
                  f"DRAM probe {st.get('dram_probe_gb_s') or 0:.1f} GB/s")
-for label, name, run in [(lb, n, r) for lb, src in sources for n, r in ((r["run"], r) for r in src["runs"])]:
-    name += label
+for label, run in [(label, r) for label, src in sources for r in src["runs"]]:
+    name = run["run"] + label
     b = run.get("decode_bound")
     bound = (f", bound {b['tok_s']:.2f} tok/s ({b['limit']}), achieved {b['achieved']:.0%}; with an LRU cache "
              f"({b['lru_misses_per_token']:.1f} misses/token against the optimum's {b['optimal_misses_per_token']:.1f}) "

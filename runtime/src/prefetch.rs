@@ -90,11 +90,11 @@ impl GuessBook {
         if self.pending.len() <= layer {
             self.pending.resize(layer + 1, Vec::new());
         }
-        let slots = &mut self.pending[layer];
-        if slots.len() < distance {
-            slots.resize(distance, Vec::new());
+        let (slots, d) = (&mut self.pending[layer], distance.max(1) - 1);
+        if slots.len() <= d {
+            slots.resize(d + 1, Vec::new());
         }
-        let slot = &mut slots[distance.max(1) - 1];
+        let slot = &mut slots[d];
         slot.clear();
         slot.extend_from_slice(guess);
     }
