@@ -31,6 +31,7 @@
 //!   fetches, shares the first request's read (a second read would replace the entry and lose a slot).
 
 use std::collections::{HashMap, VecDeque};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -653,7 +654,17 @@ impl Inner {
                 now
             };
             let cpu = crate::platform::thread_cpu_time();
-            let result = self.load(key, &mut buf, &mut scratch, rewrite);
+            // A panic while loading (a bug in a reader or a rewrite) fails this record, not the thread: the
+            // fetch waiting for it gets an error instead of waiting forever, and the slot goes back.
+            let result = catch_unwind(AssertUnwindSafe(|| self.load(key, &mut buf, &mut scratch, rewrite)))
+                .unwrap_or_else(|payload| {
+                    Err(format!(
+                        "expert record layer {} expert {}: loading it panicked: {}",
+                        key.0,
+                        key.1,
+                        panic_message(payload.as_ref())
+                    ))
+                });
             let took = started.elapsed();
             add_cpu_since(&self.counters.read_cpu_ns, cpu);
             {
@@ -769,6 +780,13 @@ impl Inner {
             .ok_or_else(|| StoreError::Engine("record part outside its slot".into()))?;
         Ok(ExpertRecord { parts })
     }
+}
+
+/// The text a panic was raised with (its payload, when that is a string).
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> &str {
+    (payload.downcast_ref::<&str>().copied())
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a non-string panic")
 }
 
 /// Adds to `counter` the nanoseconds of CPU this thread has used since `since` (its CPU clock then), and

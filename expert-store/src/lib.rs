@@ -27,7 +27,7 @@ pub use aligned::{ResidentArena, SlotBuf, SLOT_ALIGN};
 pub use bytes::OwnedBytes;
 pub use checkpoint::{Checkpoint, Dtype, TensorInfo};
 pub use counters::{CounterSnapshot, Histogram, HistogramSnapshot, StoreCounters, LATENCY_BOUNDS};
-pub use engine::{EngineOptions, StreamingSource, DEFAULT_GUESS_DEPTH};
+pub use engine::{panic_message, EngineOptions, StreamingSource, DEFAULT_GUESS_DEPTH};
 pub use error::StoreError;
 pub use experts::{ExpertFetch, ExpertRecord, ExpertSource, InMemoryExpertSource, MmapExpertSource, StackedExperts};
 pub use layout::{read_full, PosixFile, ReadAt, ReadOp, RecordLayout, RecordTable, RecordTransform, DIRECT_ALIGN};

@@ -55,6 +55,9 @@ pub enum ModelError {
     /// The compute backend failed (e.g. an MLX error).
     #[error("backend: {0}")]
     Backend(String),
+    /// A bug surfaced as a panic; the request that hit it failed, the model is still usable.
+    #[error("internal error: {0}")]
+    Internal(String),
 }
 
 /// Result with [`ModelError`].

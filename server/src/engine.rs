@@ -1,5 +1,6 @@
 //! The engine: one thread owns the model and runs one generation at a time, fed by a bounded FIFO queue.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
@@ -111,7 +112,9 @@ fn run(p: Pipeline, rx: Receiver<Job>, waiting: Arc<AtomicUsize>, running: Arc<A
         }
         running.store(1, Ordering::SeqCst);
         let events = job.events;
-        let result = match p.tokenize(&job.prompt) {
+        // Each generation starts from a fresh KV cache, so a panic (a bug) fails only its own request: the
+        // client gets an error and the thread goes on to the next job instead of taking the model with it.
+        let result = without_panics(|| match p.tokenize(&job.prompt) {
             Ok(ids) => {
                 let _ = events.send(Event::Started {
                     prompt_tokens: ids.len(),
@@ -122,7 +125,7 @@ fn run(p: Pipeline, rx: Receiver<Job>, waiting: Arc<AtomicUsize>, running: Arc<A
                 })
             }
             Err(e) => Err(e),
-        };
+        });
         running.store(0, Ordering::SeqCst);
         if matches!(&result, Ok(s) if s.finish == sluice_runtime::FinishReason::Cancelled) {
             m.cancelled.inc();
@@ -131,5 +134,31 @@ fn run(p: Pipeline, rx: Receiver<Job>, waiting: Arc<AtomicUsize>, running: Arc<A
             Ok(stats) => Event::Done(stats),
             Err(e) => Event::Failed(e),
         });
+    }
+}
+
+/// `job()`, with a panic turned into [`ModelError::Internal`] (and logged).
+fn without_panics<T>(job: impl FnOnce() -> Result<T, ModelError>) -> Result<T, ModelError> {
+    catch_unwind(AssertUnwindSafe(job)).unwrap_or_else(|payload| {
+        let what = expert_store::panic_message(payload.as_ref());
+        tracing::error!("a generation panicked: {what}; its request failed, the engine goes on");
+        Err(ModelError::Internal(format!("the generation panicked: {what}")))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panicking_job_becomes_an_internal_error() {
+        let err = without_panics::<()>(|| panic!("index out of bounds")).unwrap_err();
+        assert!(
+            matches!(&err, ModelError::Internal(m) if m.contains("index out of bounds")),
+            "{err}"
+        );
+        let owned = without_panics::<()>(|| panic!("{} tokens", 3)).unwrap_err().to_string();
+        assert!(owned.contains("3 tokens"), "{owned}");
+        assert_eq!(without_panics(|| Ok(7)).unwrap(), 7);
     }
 }

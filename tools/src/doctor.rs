@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use expert_store::platform::HugePages;
 use serde::Serialize;
 use sluice_runtime::config::ModelConfig;
 use sluice_runtime::eval::{default_top_ks, parse_top_ks};
@@ -57,6 +58,8 @@ struct Report {
     expert_cache: u64,
     page_cache_for_experts: u64,
     kv_bytes_per_1k_tokens: u64,
+    /// Linux's transparent huge page setting (`null` where the OS has none).
+    huge_pages: Option<HugePages>,
     warm: Vec<Forecast>,
     cold: Vec<Forecast>,
 }
@@ -132,6 +135,7 @@ pub fn run(a: DoctorArgs) -> Result<()> {
         expert_cache: plan.expert_cache,
         page_cache_for_experts: page_cache,
         kv_bytes_per_1k_tokens: size.footprint.kv_bytes_per_token * 1000,
+        huge_pages: expert_store::platform::huge_pages(),
         warm: top_ks
             .iter()
             .map(|&k| forecast(&size, &plan, &probes, opts.io_depth, k_of(k), false, page_cache))
@@ -239,6 +243,15 @@ fn print_report(r: &Report, plan: &MemoryPlan) {
         r.probes.matvec_gbps,
         r.probes.call_seconds * 1e6
     );
+    match r.huge_pages {
+        Some(HugePages::Never) => println!(
+            "huge pages: NEVER. Expert slots sit on 4 KiB pages, and uncached reads into them ran at half speed \
+             or less on the development VM (the disk probe above reads into such buffers too). As root: \
+             `echo madvise > /sys/kernel/mm/transparent_hugepage/enabled`"
+        ),
+        Some(mode) => println!("huge pages: {mode} (expert slots and resident weights ask for them)"),
+        None => {}
+    }
     println!();
     print!("{plan}");
     println!();

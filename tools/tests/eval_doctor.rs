@@ -155,6 +155,15 @@ fn doctor_sizes_plans_and_forecasts_from_a_config() {
         r["size"]["expert_bytes"].as_f64().unwrap(),
     );
     assert!((a / b - 1.0).abs() < 0.03, "{a} vs {b}");
+    // The huge page setting the slots and resident weights will get, as the OS reports it.
+    let thp = serde_json::to_value(expert_store::platform::huge_pages()).unwrap();
+    assert_eq!(r["huge_pages"], thp, "{r}");
+    if cfg!(target_os = "linux") {
+        assert!(
+            thp.is_string(),
+            "Linux reports its transparent huge page setting: {thp}"
+        );
+    }
     for p in ["dram_gbps", "matvec_gbps", "call_seconds"] {
         assert!(r["probes"][p].as_f64().unwrap() > 0.0, "{p}: {r}");
     }

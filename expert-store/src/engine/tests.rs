@@ -924,3 +924,57 @@ fn a_transform_whose_records_outgrow_their_slots_is_refused() {
     let err = table().0.with_transform(Arc::new(Overflow)).err().unwrap().to_string();
     assert!(err.contains("slot bytes"), "{err}");
 }
+
+/// [`SwapParts`] with a bug: it panics on expert [`Self::0`].
+struct PanicsOn(usize);
+
+impl RecordTransform for PanicsOn {
+    fn parts(&self, layer: usize, read: &[(usize, usize)]) -> Option<Vec<(usize, usize)>> {
+        SwapParts { fails: usize::MAX }.parts(layer, read)
+    }
+
+    fn apply(
+        &self,
+        layer: usize,
+        record: &[u8],
+        from: &[(usize, usize)],
+        slot: &mut [u8],
+        to: &[(usize, usize)],
+    ) -> Result<(), String> {
+        let expert = u64::from_le_bytes(record[8..16].try_into().unwrap());
+        assert_ne!(expert, self.0 as u64, "a bug in the rewrite");
+        SwapParts { fails: usize::MAX }.apply(layer, record, from, slot, to)
+    }
+}
+
+#[test]
+fn a_panic_while_loading_fails_that_record_and_the_io_threads_keep_serving() {
+    let (t, _file) = table();
+    let t = t.with_transform(Arc::new(PanicsOn(5))).unwrap();
+    let src = Arc::new(StreamingSource::new(t, &options(3 * SLOT, 2)).unwrap());
+    // More panics than I/O threads, then another record: had a panic ended its thread, or left its record
+    // loading, a read would wait forever (hence the reads on a thread of their own, under the guard).
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = Arc::clone(&src);
+    std::thread::spawn(move || {
+        for expert in [5, 5, 5, 2] {
+            let got = reader.read_expert(LAYER, expert).map(|r| r.len());
+            tx.send(got.map_err(|e| e.to_string())).unwrap();
+        }
+    });
+    for _ in 0..3 {
+        let err = rx.recv_timeout(GUARD).expect("a read never ended").unwrap_err();
+        assert!(
+            err.contains("expert 5") && err.contains("panicked") && err.contains("a bug in the rewrite"),
+            "{err}"
+        );
+    }
+    let got = rx.recv_timeout(GUARD).expect("no read served after the panics");
+    assert_eq!(got.unwrap(), REC);
+    assert_eq!(counters(&src).read_errors, 3);
+    assert_eq!(
+        src.slot_census().0 + src.slot_census().1,
+        3,
+        "a panicked load leaked its slot"
+    );
+}

@@ -14,6 +14,10 @@ fn meminfo(key: &str) -> Option<u64> {
     super::meminfo_bytes(&std::fs::read_to_string("/proc/meminfo").ok()?, key)
 }
 
+pub(super) fn huge_pages() -> Option<super::HugePages> {
+    super::parse_huge_pages(&std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").ok()?)
+}
+
 pub(super) fn os_release() -> Option<String> {
     Some(
         std::fs::read_to_string("/proc/sys/kernel/osrelease")

@@ -48,6 +48,10 @@ fn sysctl_string(name: &CStr) -> Option<String> {
     Some(s.to_string_lossy().into_owned())
 }
 
+pub(super) fn huge_pages() -> Option<super::HugePages> {
+    None
+}
+
 pub(super) fn os_release() -> Option<String> {
     sysctl_string(c"kern.osproductversion")
 }

@@ -6,6 +6,10 @@ use std::io;
 use std::path::Path;
 use std::ptr::NonNull;
 
+pub(super) fn huge_pages() -> Option<super::HugePages> {
+    None
+}
+
 pub(super) fn os_release() -> Option<String> {
     None
 }
