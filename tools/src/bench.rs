@@ -436,6 +436,11 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
     Ok(report)
 }
 
+/// What streaming from a checkpoint costs against a packed store (printed by `bench` and `doctor`).
+pub(crate) const PACKED_STORE_HINT: &str = "streamed from a checkpoint, each record is one read per tensor \
+     (weights, scales, biases); a packed store (`sluice convert`) reads it in one, faster on disks that pay per \
+     read (README, \"Packed stores\")";
+
 /// Resident bytes one decode step reads, as `doctor` sizes them: from the model directory's `config.json` (a
 /// packed store's too), rescaled to its safetensors index's `total_size` when there is one; `None` if the
 /// config cannot be sized.
@@ -706,11 +711,7 @@ fn print_table(r: &Report) {
             r.io_depth
         );
         if !r.packed_store && r.mode == "stream" {
-            println!(
-                "hint: each record streams as one read per tensor of the checkpoint (weights, scales, biases); a \
-                 packed store (`sluice convert`) reads it in one, faster on disks that pay per read (README, \
-                 \"Packed stores\")"
-            );
+            println!("hint: {PACKED_STORE_HINT}");
         }
     }
     if let (Some(d), Some(one), Some(four)) = (r.dram_probe_gb_s, r.dram_one_stream_gb_s, r.dram_four_streams_gb_s) {

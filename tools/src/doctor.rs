@@ -270,6 +270,9 @@ fn print_report(r: &Report, plan: &MemoryPlan) {
                 String::new()
             }
         );
+        if r.placement == "stream" {
+            println!("hint: {}", crate::bench::PACKED_STORE_HINT);
+        }
     }
     println!();
     println!("| experts/token | assumed hit rate | disk MB/token | forecast tok/s (steady) | limited by | forecast tok/s (cold) |");
