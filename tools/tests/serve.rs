@@ -29,12 +29,16 @@ impl Drop for Server {
 }
 
 fn start(extra: &[&str]) -> Server {
-    let dir = fixture("qwen3_moe-q4g64");
+    start_model(&fixture("qwen3_moe-q4g64"), extra)
+}
+
+/// A server for the model directory or packed store at `model`.
+fn start_model(model: &Path, extra: &[&str]) -> Server {
     // The library's kernels, which the tests compare against (the command line defaults to q8).
     let mut args = vec![
         "serve",
         "-m",
-        dir.to_str().unwrap(),
+        model.to_str().unwrap(),
         "--port",
         "0",
         "--model-id",
@@ -334,6 +338,61 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
     }
     let (st, _) = post(&s, "/v1/completions", &json!({"prompt": "still here", "max_tokens": 2}));
     assert_eq!(st, 200);
+}
+
+#[test]
+fn a_corrupt_expert_record_fails_its_request_and_the_server_keeps_serving() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let convert = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["convert", "-m", fixture("qwen3_moe-q4g64").to_str().unwrap(), "-o"])
+        .arg(&store)
+        .output()
+        .unwrap();
+    assert!(convert.status.success(), "{}", String::from_utf8_lossy(&convert.stderr));
+    // One flipped bit every 4 KiB: every record fails its checksum, so any generation meets one.
+    let data = store.join("experts.bin");
+    let mut bytes = std::fs::read(&data).unwrap();
+    for b in bytes.iter_mut().step_by(4096) {
+        *b ^= 1;
+    }
+    std::fs::write(&data, bytes).unwrap();
+    let s = start_model(&store, &["--experts", "stream", "--expert-cache", "64K"]);
+    let body = json!({"model": "fox", "prompt": "The fox", "max_tokens": 4});
+    for _ in 0..2 {
+        let (status, r) = post(&s, "/v1/completions", &body);
+        assert_eq!(status, 500, "{r}");
+        let msg = r["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            msg.contains("checksum mismatch") && msg.contains("expert record layer"),
+            "{r}"
+        );
+        assert_eq!(r["error"]["type"], "server_error", "{r}");
+        // Streamed, the error arrives as the last event before [DONE].
+        let (status, raw) = request(
+            &s,
+            "POST",
+            "/v1/completions",
+            &json!({"stream": true, "prompt": "x"}).to_string(),
+        );
+        assert_eq!(status, 200);
+        let events = sse(&raw);
+        let last = events.last().unwrap();
+        assert!(
+            last["error"]["message"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("checksum mismatch"),
+            "{raw}"
+        );
+        assert_eq!(request(&s, "GET", "/health", "").0, 200, "the server went down");
+    }
+    let (_, metrics) = request(&s, "GET", "/metrics", "");
+    let errors: f64 = (metrics.lines())
+        .find_map(|l| l.strip_prefix("sluice_expert_read_errors_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0);
+    assert!(errors >= 4.0, "each failed request counts its read error: {errors}");
 }
 
 #[test]
