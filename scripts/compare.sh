@@ -104,6 +104,9 @@ if w and dram and preset == "medium":
         if n.startswith("decode"):
             lines.append(f"{n}: weights streamed ({w / 1e6:.1f} MB/token) llama.cpp {a * w / 1e9:.1f} GB/s = "
                          f"{a * w / 1e9 / dram:.0%} of the DRAM probe, sluice {b * w / 1e9:.1f} GB/s = {b * w / 1e9 / dram:.0%}")
+if sl.get("slots_backed_seconds") is not None:
+    lines.append(f"sluice load {sl['load_seconds']:.1f} s, then {sl['slots_backed_seconds']:.1f} s until its expert slots were "
+                 f"backed with memory (the runs start after both; llama.cpp's page cache is backed during its runs)")
 ram = sl.get("in_ram")
 if ram:
     lines.append(f"in-RAM compute of the same shape: prefill {ram['prefill_tok_s']:.2f}, decode {ram['decode_tok_s']:.2f} tok/s")

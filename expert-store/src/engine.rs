@@ -284,9 +284,10 @@ struct Inner {
     /// Times a fetch blocked waiting for a read to land.
     #[cfg(test)]
     fetch_waits: std::sync::atomic::AtomicUsize,
-    /// The background pass has ended (or there was none).
-    #[cfg(test)]
-    pass_ended: std::sync::atomic::AtomicBool,
+    /// The background pass that backs the slots with memory has ended (or there was none).
+    backed: Mutex<bool>,
+    /// Signalled when `backed` turns true.
+    backed_now: Condvar,
 }
 
 /// Serves expert records from disk through a budgeted cache of persistent slots.
@@ -350,8 +351,8 @@ impl StreamingSource {
             slot_len,
             #[cfg(test)]
             fetch_waits: Default::default(),
-            #[cfg(test)]
-            pass_ended: std::sync::atomic::AtomicBool::new(prefault.is_none()),
+            backed: Mutex::new(prefault.is_none()),
+            backed_now: Condvar::new(),
         });
         let workers = (0..opts.io_depth.max(1))
             .map(|i| {
@@ -366,11 +367,12 @@ impl StreamingSource {
         if let Some(pass) = prefault {
             let inner = Arc::clone(&engine.inner);
             // Without this thread the slots still fault in on first read, only slower: nothing to report.
-            if let Ok(h) = std::thread::Builder::new()
+            match std::thread::Builder::new()
                 .name("sluice-prefault".into())
                 .spawn(move || inner.prefault(&pass))
             {
-                engine.workers.push(h);
+                Ok(h) => engine.workers.push(h),
+                Err(_) => engine.inner.mark_backed(),
             }
         }
         Ok(engine)
@@ -415,13 +417,9 @@ impl StreamingSource {
         (st.free.len(), loaded)
     }
 
-    /// Blocks until the background pass that backs the slots has ended; panics after 10 s.
-    fn wait_pass_ended(&self) {
-        let deadline = Instant::now() + std::time::Duration::from_secs(10);
-        while !self.inner.pass_ended.load(Relaxed) {
-            assert!(Instant::now() < deadline, "background pass still running after 10 s");
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
+    /// Whether the background pass that backs the slots has ended.
+    fn pass_ended(&self) -> bool {
+        *lock(&self.inner.backed)
     }
 
     /// Times a fetch blocked waiting for a read to land.
@@ -600,6 +598,12 @@ impl Inner {
         }
     }
 
+    /// Says the background pass has ended, to whoever waits in [`ExpertSource::wait_backed`].
+    fn mark_backed(&self) {
+        *lock(&self.backed) = true;
+        self.backed_now.notify_all();
+    }
+
     /// Backs the slots with memory ahead of the reads that will fill them (see [`Prefault`]).
     fn prefault(&self, pass: &Prefault) {
         let started = Instant::now();
@@ -608,8 +612,7 @@ impl Inner {
         let mut cpu = crate::platform::thread_cpu_time();
         let count_cpu = || cpu = add_cpu_since(&self.counters.prefault_cpu_ns, cpu);
         let bytes = pass.run(|| lock(&self.queue).shutdown, count_cpu);
-        #[cfg(test)]
-        self.pass_ended.store(true, Relaxed);
+        self.mark_backed();
         let secs = started.elapsed().as_secs_f64();
         tracing::debug!(
             "backed {:.2} GB of expert slots with memory in {secs:.2} s ({:.2} GB/s)",
@@ -1140,6 +1143,14 @@ impl ExpertSource for StreamingSource {
             if inner.submit(&mut st, key, buf, true, rewrite).is_ok() {
                 inner.counters.prefetch_issued.fetch_add(1, Relaxed);
             }
+        }
+    }
+
+    fn wait_backed(&self) {
+        let inner = &*self.inner;
+        let mut backed = lock(&inner.backed);
+        while !*backed {
+            backed = inner.backed_now.wait(backed).unwrap_or_else(|e| e.into_inner());
         }
     }
 

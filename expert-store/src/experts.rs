@@ -53,6 +53,11 @@ pub trait ExpertSource: Send + Sync {
     /// capacity if useful, in that order).
     fn prefetch(&self, _layer: usize, _experts: &[usize]) {}
 
+    /// Blocks until the background pass that backs the source's slots with memory has ended; returns at
+    /// once where there is none. Benchmarks call it before a timed run, so the run measures reads and
+    /// compute, not the one-time cost of the OS handing the process its memory.
+    fn wait_backed(&self) {}
+
     /// Empties the source's caches (its slots and the OS page cache of its files) so the next reads are
     /// cold; records still in use stay. For benchmarks.
     fn drop_caches(&self) -> Result<(), StoreError> {

@@ -66,6 +66,10 @@ impl ExpertSource for TracingSource {
         self.inner.prefetch(layer, experts)
     }
 
+    fn wait_backed(&self) {
+        self.inner.wait_backed()
+    }
+
     fn drop_caches(&self) -> Result<(), StoreError> {
         self.inner.drop_caches()
     }

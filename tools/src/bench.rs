@@ -164,6 +164,8 @@ pub(crate) struct Report {
     pub(crate) kv_cache: String,
     pub(crate) threads: usize,
     pub(crate) load_seconds: f64,
+    /// Seconds the runs then waited for the expert slots to be backed with memory (`None`: no slots).
+    pub(crate) slots_backed_seconds: Option<f64>,
     pub(crate) disk_probe_gb_s: Option<f64>,
     /// The faster of the two patterns below: the machine's DRAM limit.
     pub(crate) dram_probe_gb_s: Option<f64>,
@@ -279,6 +281,14 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         p.model.set_expert_source(t.clone());
     }
     let trace = tracer.as_deref();
+    // The engine backs its slots with memory in the background from load on. The runs wait for it, so that
+    // they time reads and compute rather than the OS handing the process its memory, a one-time cost at start
+    // (slow on VMs whose host takes freed memory back: README, "Why cold runs vary").
+    let backing = Instant::now();
+    if let Some(s) = &engine_source {
+        s.wait_backed();
+    }
+    let slots_backed_seconds = engine_source.as_ref().map(|_| backing.elapsed().as_secs_f64());
     let m = &p.model;
     if a.engine.verbose {
         eprintln!("{}", m.memory_plan);
@@ -423,6 +433,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         kv_cache: opts.kv_type().name().into(),
         threads: rayon::current_num_threads(),
         load_seconds,
+        slots_backed_seconds,
         disk_probe_gb_s,
         dram_probe_gb_s: dram.map(|d| d.best()),
         dram_one_stream_gb_s: dram.map(|d| d.one_stream),
@@ -705,6 +716,9 @@ fn print_table(r: &Report) {
         r.threads,
         r.load_seconds
     );
+    if let Some(b) = r.slots_backed_seconds {
+        println!("expert slots backed with memory {b:.1} s after load, before the runs");
+    }
     if let Some(d) = r.disk_probe_gb_s {
         println!(
             "disk probe: {d:.2} GB/s random reads of one record at depth {}",

@@ -447,8 +447,15 @@ fn prefetched_record_is_served_without_a_second_read() {
 fn cpu_spent_loading_records_and_backing_slots_is_counted() {
     let (t, _) = table();
     let started = Instant::now();
-    let src = StreamingSource::new(t, &options(EXPERTS as u64 * SLOT, 2)).unwrap();
-    src.wait_pass_ended();
+    let src = Arc::new(StreamingSource::new(t, &options(EXPERTS as u64 * SLOT, 2)).unwrap());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiter = Arc::clone(&src);
+    std::thread::spawn(move || {
+        waiter.wait_backed();
+        tx.send(waiter.pass_ended()).unwrap();
+    });
+    let ended = rx.recv_timeout(GUARD).expect("wait_backed never returned");
+    assert!(ended, "wait_backed returned before the pass ended");
     let backing = counters(&src).prefault_cpu_seconds;
     // The pass's CPU is counted where the OS backs memory ahead of use (and can never exceed its wall time).
     let mut probe = crate::aligned::SlotBuf::allocate(1, SLOT_ALIGN).unwrap();
