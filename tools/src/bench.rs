@@ -284,11 +284,11 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
     // The engine backs its slots with memory in the background from load on. The runs wait for it, so that
     // they time reads and compute rather than the OS handing the process its memory, a one-time cost at start
     // (slow on VMs whose host takes freed memory back: README, "Why cold runs vary").
-    let backing = Instant::now();
-    if let Some(s) = &engine_source {
+    let slots_backed_seconds = engine_source.as_ref().map(|s| {
+        let backing = Instant::now();
         s.wait_backed();
-    }
-    let slots_backed_seconds = engine_source.as_ref().map(|_| backing.elapsed().as_secs_f64());
+        backing.elapsed().as_secs_f64()
+    });
     let m = &p.model;
     if a.engine.verbose {
         eprintln!("{}", m.memory_plan);

@@ -222,17 +222,18 @@ pub fn map_zeroed(len: usize) -> Option<NonNull<u8>> {
     }
     .ok()?;
     os::advise_huge_pages(ptr, len.get());
-    if huge_pages() == Some(HugePages::Never) {
-        static WARNED: std::sync::Once = std::sync::Once::new();
-        WARNED.call_once(|| {
+    // Asked once per process: mappings are made many times (slots, 64 MiB chunks of resident weights, probes).
+    static CHECKED: std::sync::Once = std::sync::Once::new();
+    CHECKED.call_once(|| {
+        if huge_pages() == Some(HugePages::Never) {
             tracing::warn!(
                 "transparent huge pages are off (`never` in /sys/kernel/mm/transparent_hugepage/enabled): \
                  expert slots sit on 4 KiB pages, which uncached reads fill at half speed or less on some \
                  machines; \
                  `echo madvise > /sys/kernel/mm/transparent_hugepage/enabled` (as root) turns them on"
             )
-        });
-    }
+        }
+    });
     Some(ptr.cast())
 }
 
