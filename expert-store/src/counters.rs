@@ -1,6 +1,6 @@
 //! What the expert store did: plain atomics that the CLI prints and the server exports.
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
 /// Upper bounds (seconds) of the read-latency histogram buckets; the last bucket is unbounded.
@@ -110,6 +110,9 @@ pub struct StoreCounters {
     pub prefault_cpu_ns: AtomicU64,
     /// Latency of each record read (submission to completion of the data).
     pub read_latency: Histogram,
+    /// Every slot is backed with memory (the start-up pass has ended, or there was none). Until then reads
+    /// may also fault fresh memory in, and run slower.
+    pub slots_backed: AtomicBool,
 }
 
 impl StoreCounters {

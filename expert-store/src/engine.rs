@@ -32,7 +32,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -284,9 +284,9 @@ struct Inner {
     /// Times a fetch blocked waiting for a read to land.
     #[cfg(test)]
     fetch_waits: std::sync::atomic::AtomicUsize,
-    /// The background pass that backs the slots with memory has ended (or there was none).
-    backed: Mutex<bool>,
-    /// Signalled when `backed` turns true.
+    /// Held while `counters.slots_backed` turns true, so a waiter cannot miss the signal.
+    backed_lock: Mutex<()>,
+    /// Signalled when `counters.slots_backed` turns true.
     backed_now: Condvar,
 }
 
@@ -345,13 +345,16 @@ impl StreamingSource {
                 ..Queue::default()
             }),
             work: Condvar::new(),
-            counters: Arc::new(StoreCounters::default()),
+            counters: Arc::new(StoreCounters {
+                slots_backed: AtomicBool::new(prefault.is_none()),
+                ..StoreCounters::default()
+            }),
             verify: opts.verify,
             slots,
             slot_len,
             #[cfg(test)]
             fetch_waits: Default::default(),
-            backed: Mutex::new(prefault.is_none()),
+            backed_lock: Mutex::new(()),
             backed_now: Condvar::new(),
         });
         let workers = (0..opts.io_depth.max(1))
@@ -419,7 +422,7 @@ impl StreamingSource {
 
     /// Whether the background pass that backs the slots has ended.
     fn pass_ended(&self) -> bool {
-        *lock(&self.inner.backed)
+        self.inner.counters.slots_backed.load(Relaxed)
     }
 
     /// Times a fetch blocked waiting for a read to land.
@@ -600,7 +603,8 @@ impl Inner {
 
     /// Says the background pass has ended, to whoever waits in [`ExpertSource::wait_backed`].
     fn mark_backed(&self) {
-        *lock(&self.backed) = true;
+        let _held = lock(&self.backed_lock);
+        self.counters.slots_backed.store(true, Relaxed);
         self.backed_now.notify_all();
     }
 
@@ -614,8 +618,8 @@ impl Inner {
         let bytes = pass.run(|| lock(&self.queue).shutdown, count_cpu);
         self.mark_backed();
         let secs = started.elapsed().as_secs_f64();
-        tracing::debug!(
-            "backed {:.2} GB of expert slots with memory in {secs:.2} s ({:.2} GB/s)",
+        tracing::info!(
+            "backed {:.2} GB of expert slots with memory in {secs:.2} s ({:.2} GB/s): reads no longer fault fresh memory in",
             bytes as f64 / 1e9,
             bytes as f64 / 1e9 / secs.max(1e-9)
         );
@@ -1148,9 +1152,9 @@ impl ExpertSource for StreamingSource {
 
     fn wait_backed(&self) {
         let inner = &*self.inner;
-        let mut backed = lock(&inner.backed);
-        while !*backed {
-            backed = inner.backed_now.wait(backed).unwrap_or_else(|e| e.into_inner());
+        let mut held = lock(&inner.backed_lock);
+        while !inner.counters.slots_backed.load(Relaxed) {
+            held = inner.backed_now.wait(held).unwrap_or_else(|e| e.into_inner());
         }
     }
 

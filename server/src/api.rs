@@ -616,13 +616,17 @@ fn stream_reply(r: Reply, rx: mpsc::UnboundedReceiver<Event>) -> Sse<impl Stream
     Sse::new(s)
 }
 
-/// `GET /health`: 503 while loading, 200 when ready.
+/// `GET /health`: 503 while loading, 200 when ready; says whether the expert slots are backed with memory yet.
 pub async fn health(State(st): State<Arc<AppState>>) -> Response {
-    if st.loaded.get().is_some() {
-        (StatusCode::OK, Json(json!({"status": "ok"}))).into_response()
-    } else {
-        ApiError::loading().into_response()
-    }
+    let Some(l) = st.loaded.get() else {
+        return ApiError::loading().into_response();
+    };
+    // Requests are served either way; until the slots are backed, reads also fault memory in and run slower.
+    let body = match l.metrics.slots_backed() {
+        Some(backed) => json!({"status": "ok", "expert_slots": if backed { "backed" } else { "backing" }}),
+        None => json!({"status": "ok"}),
+    };
+    (StatusCode::OK, Json(body)).into_response()
 }
 
 /// `GET /metrics`.

@@ -57,6 +57,7 @@ struct StoreMetrics {
     prefault_cpu: prometheus::Counter,
     read_latency: Histogram,
     depth: Gauge,
+    slots_backed: IntGauge,
 }
 
 fn hist(name: &str, help: &str, buckets: Vec<f64>) -> Histogram {
@@ -191,6 +192,10 @@ impl Metrics {
                 ),
                 depth: Gauge::new("sluice_expert_read_queue_depth", "Effective expert read queue depth")
                     .expect("valid gauge"),
+                slots_backed: gauge(
+                    "sluice_expert_slots_backed",
+                    "1 once every expert cache slot is backed with memory; until then reads also fault memory in",
+                ),
             }),
             registry,
         };
@@ -234,6 +239,7 @@ impl Metrics {
                 Box::new(s.prefault_cpu.clone()),
                 Box::new(s.read_latency.clone()),
                 Box::new(s.depth.clone()),
+                Box::new(s.slots_backed.clone()),
             ];
             for c in all {
                 r.register(c).expect("unique metric names");
@@ -255,6 +261,11 @@ impl Metrics {
         let mut buf = Vec::new();
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
         String::from_utf8(buf).unwrap_or_default()
+    }
+
+    /// Whether every expert cache slot is backed with memory (`None`: experts do not go through a store).
+    pub fn slots_backed(&self) -> Option<bool> {
+        (self.store.as_ref()).map(|s| s.source.slots_backed.load(std::sync::atomic::Ordering::Relaxed))
     }
 }
 
@@ -286,6 +297,9 @@ impl StoreMetrics {
             }
         }
         self.depth.set(now.effective_queue_depth());
+        self.slots_backed.set(i64::from(
+            self.source.slots_backed.load(std::sync::atomic::Ordering::Relaxed),
+        ));
         *last = now;
     }
 }

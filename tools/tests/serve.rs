@@ -396,6 +396,40 @@ fn a_corrupt_expert_record_fails_its_request_and_the_server_keeps_serving() {
 }
 
 #[test]
+fn health_and_metrics_say_when_the_expert_slots_are_backed() {
+    let s = start(&["--experts", "stream", "--expert-cache", "1M"]);
+    // The start-up pass backs the slots in the background; requests are served meanwhile.
+    let t = Instant::now();
+    let health = loop {
+        let (status, body) = request(&s, "GET", "/health", "");
+        assert_eq!(status, 200, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        match v["expert_slots"].as_str() {
+            Some("backed") => break v,
+            Some("backing") => {}
+            _ => panic!("/health does not say whether the expert slots are backed: {v}"),
+        }
+        assert!(t.elapsed() < Duration::from_secs(30), "the slots were never backed");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(health["status"], "ok");
+    let (_, metrics) = request(&s, "GET", "/metrics", "");
+    assert!(
+        metrics.lines().any(|l| l == "sluice_expert_slots_backed 1"),
+        "{metrics}"
+    );
+    // Resident experts are read into their slots at load, before the server says it is ready.
+    let resident = start(&["--experts", "resident"]);
+    let (_, body) = request(&resident, "GET", "/health", "");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        (&v["status"], &v["expert_slots"]),
+        (&json!("ok"), &json!("backed")),
+        "{v}"
+    );
+}
+
+#[test]
 fn concurrent_clients_get_their_own_answers_and_a_full_queue_says_429() {
     let s = start(&["--max-queue", "64"]);
     let prompts: Vec<String> = (0..32).map(|i| format!("Fox number {i} says")).collect();
