@@ -790,14 +790,6 @@ fn q8_task(
         ty: q.scale_type,
         size,
     };
-    // The AVX-512 kernels read scales in place; the AVX2 one wants f32 copies.
-    let (mut scales, mut biases) = (Vec::new(), Vec::new());
-    if !k.avx512 {
-        scales = vec![0f32; rows * gpr + 16];
-        biases = vec![0f32; rows * gpr];
-        q.scale_type.to_f32(q.scales, first * gpr, &mut scales[..rows * gpr]);
-        q.scale_type.to_f32(q.biases, first * gpr, &mut biases);
-    }
     let lanes = cols / k.lane_cols();
     // Four tokens per pass where the kernel takes them (prefill): each row's codes are read once for all four.
     let mut t = 0;
@@ -811,8 +803,6 @@ fn q8_task(
             cols,
             xq: &acts.xq[t * cols..(t + tokens) * cols],
             lane_d: &acts.lane_d[t * lanes..(t + tokens) * lanes],
-            scales: &scales,
-            biases: &biases,
             xsum: &c.xsum[t * gpr..(t + tokens) * gpr],
             group: q.group,
         };

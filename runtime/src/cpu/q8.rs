@@ -63,7 +63,8 @@ impl Q8Kernel {
                 ..Self::new(4, true)
             },
             (4, Isa::Avx512) if vnni => Self::new(4, true),
-            (4, Isa::Avx2 | Isa::Avx512) => Self::new(4, false),
+            // The AVX2 kernel's steps hold one or two whole groups.
+            (4, Isa::Avx2 | Isa::Avx512) if matches!(q.group, 32 | 64 | 128) => Self::new(4, false),
             (8, Isa::Avx512) if vnni => Self::new(8, true),
             _ => return None,
         };

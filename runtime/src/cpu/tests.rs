@@ -364,7 +364,6 @@ mod q8_kernels {
             .map(|i| ((scales[i / group] * codes[i] as f32) * x[i]).abs())
             .sum();
         assert!((want - exact).abs() <= 0.01 * wmag + 1e-4, "{want} vs float {exact}");
-        scales.extend([0.0; 16]);
         let q = QuantMatrix {
             packed: &packed,
             scales: &[],
@@ -390,8 +389,6 @@ mod q8_kernels {
                 cols,
                 xq: &acts.xq,
                 lane_d: &acts.lane_d,
-                scales: &scales,
-                biases: &biases,
                 xsum: &xsum,
                 group,
             };

@@ -388,10 +388,9 @@ unsafe fn fused_q8_avx2(a: &RowArgs<'_>) -> f32 {
     hsum256(acc) + bias_term(a)
 }
 
-/// Rows of an int8-activation kernel against `tokens` tokens: `rows` packed rows of `row_bytes` each, the
+/// Rows of an int8-activation kernel against `tokens` tokens: `rows` packed rows of `row_bytes` each, and the
 /// tokens' quantized activations (`cols` each, back to back) in the kernel's order with per-lane block scales
-/// and group sums, and the rows' scales (`rows·groups` values plus 16 readable padding) and biases
-/// (`rows·groups`) as f32.
+/// and group sums.
 #[derive(Clone, Copy)]
 pub(super) struct Q8RowsArgs<'a> {
     pub packed: &'a [u8],
@@ -401,13 +400,11 @@ pub(super) struct Q8RowsArgs<'a> {
     pub cols: usize,
     pub xq: &'a [i8],
     pub lane_d: &'a [f32],
-    pub scales: &'a [f32],
-    pub biases: &'a [f32],
     pub xsum: &'a [f32],
     pub group: usize,
 }
 
-/// The rows' scales and biases in their stored type (`size` bytes each), for the AVX-512 kernels.
+/// The rows' scales and biases in their stored type (`size` bytes each).
 pub(super) struct RawScales<'a> {
     pub scales: &'a [u8],
     pub biases: &'a [u8],
@@ -416,9 +413,9 @@ pub(super) struct RawScales<'a> {
 }
 
 /// `out[r·ostride + t] = Σ scale·d·(q·xq) + Σ bias·Σx` for each row `r` and token `t`, with integer dot
-/// products. AVX-512 kernels read scales and biases from `raw`; the AVX2 kernel from the f32
-/// `a.scales`/`a.biases`. The 4-bit AVX-512 kernel takes up to four tokens per pass over the rows (each
-/// code load serves every token); the others run one token at a time. A token's result is the same either way.
+/// products, reading scales and biases from `raw`. The 4-bit kernels take four tokens per pass over the rows
+/// when given four (each code load serves every token); the others run one token at a time. A token's result
+/// is the same either way.
 pub(super) fn q8_rows(
     k: super::q8::Q8Kernel,
     a: &Q8RowsArgs<'_>,
@@ -446,17 +443,14 @@ pub(super) fn q8_rows(
         a.rows == 0 || out.len() >= (a.rows - 1) * ostride + a.tokens,
         "output bounds"
     );
-    if k.avx512 {
-        assert!(raw.size == raw.ty.size(), "scale type");
-        assert!(raw.scales.len() >= a.rows * groups * raw.size && raw.biases.len() >= a.rows * groups * raw.size);
-    } else {
-        assert!(
-            a.scales.len() >= a.rows * groups + 16 && a.biases.len() >= a.rows * groups,
-            "group bounds"
-        );
-    }
-    // The 4-bit AVX-512 kernel takes one or four tokens per pass; everything else one at a time.
-    if a.tokens > 1 && !(k.bits == 4 && k.avx512 && a.tokens == 4) {
+    assert!(raw.size == raw.ty.size(), "scale type");
+    assert!(
+        raw.scales.len() >= a.rows * groups * raw.size && raw.biases.len() >= a.rows * groups * raw.size,
+        "group bounds"
+    );
+    assert!(k.avx512 || matches!(a.group, 32 | 64 | 128), "AVX2 group size");
+    // The 4-bit kernels take one or four tokens per pass; the 8-bit one one at a time.
+    if a.tokens > 1 && !(k.bits == 4 && a.tokens == 4) {
         for t in 0..a.tokens {
             let one = Q8RowsArgs {
                 tokens: 1,
@@ -470,12 +464,12 @@ pub(super) fn q8_rows(
         return;
     }
     use super::FloatType as F;
-    // SAFETY: the kernel was chosen by `Q8Kernel::for_matrix`, which requires AVX2+FMA (selected ISA) and,
+    // SAFETY: the kernel was chosen by `Q8Kernel::for_matrix`, which requires AVX2+FMA+F16C (selected ISA) and,
     // for `avx512`, AVX-512 F/BW/VL/VNNI detected at run time; the asserts bound every read: codes
     // (rows·row_bytes, cols·bits/8 per row), activations (tokens·cols), lane scales (tokens·cols/lane_cols),
-    // scales and biases (rows·groups values; AVX-512 loads are masked to the values needed, AVX2 reads 8-wide
-    // from the f32 copy padded by 16), and every write (row r, token t at r·ostride + t). Prefetches past the
-    // end never fault.
+    // scales and biases (rows·groups values; AVX-512 loads are masked to the values needed, AVX2 reads a step's
+    // one or two values and copies a row's last biases), and every write (row r, token t at r·ostride + t).
+    // Prefetches past the end never fault.
     unsafe {
         match (k.bits, k.avx512, raw.ty, a.tokens) {
             (4, true, F::F32, 4) => q4_vnni_raw::<TY_F32, 4>(a, raw, out, ostride),
@@ -484,7 +478,9 @@ pub(super) fn q8_rows(
             (4, true, F::F32, _) => q4_vnni_raw::<TY_F32, 1>(a, raw, out, ostride),
             (4, true, F::F16, _) => q4_vnni_raw::<TY_F16, 1>(a, raw, out, ostride),
             (4, true, F::BF16, _) => q4_vnni_raw::<TY_BF16, 1>(a, raw, out, ostride),
-            (4, false, _, _) => q4_maddubs(a, out, ostride),
+            (4, false, F::F32, _) => q4_maddubs_for::<TY_F32>(a, raw, out, ostride),
+            (4, false, F::F16, _) => q4_maddubs_for::<TY_F16>(a, raw, out, ostride),
+            (4, false, F::BF16, _) => q4_maddubs_for::<TY_BF16>(a, raw, out, ostride),
             (_, _, F::F32, _) => q8_vnni_raw::<TY_F32>(a, raw, out, ostride),
             (_, _, F::F16, _) => q8_vnni_raw::<TY_F16>(a, raw, out, ostride),
             (_, _, F::BF16, _) => q8_vnni_raw::<TY_BF16>(a, raw, out, ostride),
@@ -502,17 +498,7 @@ fn group_lanes<const N: usize>(lane_cols: usize, group: usize) -> [i32; N] {
     std::array::from_fn(|i| (lane_cols * i / group) as i32)
 }
 
-/// `Σ_g bias_g·xsum_g` for one row.
-#[inline(always)]
-unsafe fn bias_dot(biases: *const f32, xsum: *const f32, groups: usize) -> f32 {
-    let mut s = 0f32;
-    for g in 0..groups {
-        s += *biases.add(g) * *xsum.add(g);
-    }
-    s
-}
-
-/// Scale/bias storage the AVX-512 int8 kernels read directly: f32, f16 or bf16.
+/// Scale/bias storage the int8 kernels read directly: f32, f16 or bf16.
 const TY_F32: u8 = 0;
 const TY_F16: u8 = 1;
 const TY_BF16: u8 = 2;
@@ -649,43 +635,133 @@ unsafe fn q8_vnni_raw<const TY: u8>(a: &Q8RowsArgs<'_>, raw: &RawScales<'_>, out
     }
 }
 
-/// The AVX2 4-bit kernel (no VNNI): `vpmaddubsw` pairs, two rows per pass like the AVX-512 one.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn q4_maddubs(a: &Q8RowsArgs<'_>, out: &mut [f32], ostride: usize) {
-    let (xq, ld) = (a.xq.as_ptr(), a.lane_d.as_ptr());
-    let groups = a.cols / a.group;
+/// The AVX2 4-bit kernel (no VNNI) for group size `G`: `vpmaddubsw` pairs, reading scales and biases in their
+/// stored type (no conversion pass), `R` rows and `T` tokens per pass (each code load and unpack serves every
+/// token). Every (row, token) result takes the same operations in the same order whatever `R` and `T` are.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_maddubs<const TY: u8, const G: usize, const R: usize, const T: usize>(
+    a: &Q8RowsArgs<'_>,
+    raw: &RawScales<'_>,
+    out: &mut [f32],
+    ostride: usize,
+) {
+    let (xq, ld, cols) = (a.xq.as_ptr(), a.lane_d.as_ptr(), a.cols);
+    let groups = cols / G;
+    let size = raw.size;
     let m = _mm256_set1_epi8(0x0f);
     let ones = _mm256_set1_epi16(1);
-    let idx = _mm256_loadu_si256(group_lanes::<8>(8, a.group).as_ptr() as *const _);
-    // Two rows per pass share the activation loads.
-    const ROWS: usize = 2;
     let mut r = 0;
     while r < a.rows {
-        // The two rows consume 64 bytes per step between them: one prefetched line.
-        let (rs, pp, ahead) = row_block::<ROWS>(a, r);
-        let sc: [*const f32; ROWS] = std::array::from_fn(|j| a.scales.as_ptr().add(rs[j] * groups));
-        let mut acc = [_mm256_setzero_ps(); ROWS];
-        for c in 0..a.cols / 64 {
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * c) as *const i8);
-            let xe = _mm256_loadu_si256(xq.add(64 * c) as *const _);
-            let xo = _mm256_loadu_si256(xq.add(64 * c + 32) as *const _);
-            let d = _mm256_loadu_ps(ld.add(8 * c));
-            for j in 0..ROWS {
+        let (rs, pp, ahead) = row_block::<R>(a, r);
+        let sp: [*const u8; R] = std::array::from_fn(|j| raw.scales.as_ptr().add(rs[j] * groups * size));
+        let mut acc = [[_mm256_setzero_ps(); T]; R];
+        for c in 0..cols / 64 {
+            // The block's rows consume 32·R bytes per step: at least one prefetched line per step.
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(32 * R * c) as *const i8);
+            for j in 0..R {
                 let v = _mm256_loadu_si256(pp[j].add(32 * c) as *const _);
                 let lo = _mm256_and_si256(v, m);
                 let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m);
-                // u8 codes ≤ 15 times i8 ≤ 127: pair sums ≤ 3810, two of them ≤ 7620, no i16 saturation.
-                let p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
-                let i = _mm256_madd_epi16(p, ones);
-                let s = _mm256_permutevar8x32_ps(_mm256_loadu_ps(sc[j].add(64 * c / a.group)), idx);
-                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(d, s), acc[j]);
+                let s = step_scales::<TY, G>(sp[j].add(64 * c / G * size));
+                for (t, acc) in acc[j].iter_mut().enumerate() {
+                    let x = xq.add(t * cols + 64 * c);
+                    let xe = _mm256_loadu_si256(x as *const _);
+                    let xo = _mm256_loadu_si256(x.add(32) as *const _);
+                    let d = _mm256_loadu_ps(ld.add(t * cols / 8 + 8 * c));
+                    // u8 codes ≤ 15 times i8 ≤ 127: pair sums ≤ 3810, two of them ≤ 7620, no i16 saturation.
+                    let p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
+                    let i = _mm256_madd_epi16(p, ones);
+                    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(d, s), *acc);
+                }
             }
         }
-        for j in 0..ROWS.min(a.rows - r) {
-            let bias = bias_dot(a.biases.as_ptr().add(rs[j] * groups), a.xsum.as_ptr(), groups);
-            *out.get_unchecked_mut((r + j) * ostride) = hsum256(acc[j]) + bias;
+        let b = raw.biases.as_ptr();
+        for j in 0..R.min(a.rows - r) {
+            for (t, acc) in acc[j].iter().enumerate() {
+                let xsum = a.xsum.as_ptr().add(t * groups);
+                let bias = bias_dot_raw8::<TY>(b.add(rs[j] * groups * size), xsum, groups, size);
+                *out.get_unchecked_mut((r + j) * ostride + t) = hsum256(*acc) + bias;
+            }
         }
-        r += ROWS;
+        r += R;
+    }
+}
+
+/// The scales of one 64-column step of the AVX2 4-bit kernel, per i32 lane (lane `i` covers columns `8i..8i+8`):
+/// with `G = 32` the step's two groups (lanes 0–3, 4–7), else its one group in every lane. Reads exactly
+/// those values of type `TY` at `p`.
+#[inline(always)]
+unsafe fn step_scales<const TY: u8, const G: usize>(p: *const u8) -> __m256 {
+    let two = G == 32;
+    // The values in the low lanes of a 128-bit vector.
+    let v = match TY {
+        TY_F32 if two => _mm_castpd_ps(_mm_load_sd(p as *const f64)),
+        TY_F32 => _mm_load_ss(p as *const f32),
+        _ => {
+            let bits = if two {
+                std::ptr::read_unaligned(p as *const u32)
+            } else {
+                u32::from(std::ptr::read_unaligned(p as *const u16))
+            };
+            let h = _mm_cvtsi32_si128(bits as i32);
+            if TY == TY_F16 {
+                _mm_cvtph_ps(h)
+            } else {
+                _mm_castsi128_ps(_mm_slli_epi32::<16>(_mm_cvtepu16_epi32(h)))
+            }
+        }
+    };
+    let idx = if two {
+        _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)
+    } else {
+        _mm256_setzero_si256()
+    };
+    _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), idx)
+}
+
+/// Eight values of type `TY` at `p` as f32.
+#[inline(always)]
+unsafe fn load8<const TY: u8>(p: *const u8) -> __m256 {
+    match TY {
+        TY_F32 => _mm256_loadu_ps(p as *const f32),
+        TY_F16 => _mm256_cvtph_ps(_mm_loadu_si128(p as *const _)),
+        _ => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+            p as *const _,
+        )))),
+    }
+}
+
+/// `Σ_g bias_g·xsum_g` with biases of type `TY` at `b`, eight groups at a time; reads exactly `groups`
+/// values of each.
+#[inline(always)]
+unsafe fn bias_dot_raw8<const TY: u8>(b: *const u8, xsum: *const f32, groups: usize, size: usize) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let mut g = 0;
+    while g + 8 <= groups {
+        acc = _mm256_fmadd_ps(load8::<TY>(b.add(g * size)), _mm256_loadu_ps(xsum.add(g)), acc);
+        g += 8;
+    }
+    if g < groups {
+        // The last few through zeroed copies, so nothing past either array is read.
+        let (mut bt, mut xt) = ([0u8; 32], [0f32; 8]);
+        std::ptr::copy_nonoverlapping(b.add(g * size), bt.as_mut_ptr(), (groups - g) * size);
+        std::ptr::copy_nonoverlapping(xsum.add(g), xt.as_mut_ptr(), groups - g);
+        acc = _mm256_fmadd_ps(load8::<TY>(bt.as_ptr()), _mm256_loadu_ps(xt.as_ptr()), acc);
+    }
+    hsum256(acc)
+}
+
+/// [`q4_maddubs`] for the group size and token count of `a` (one or four tokens per pass).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_maddubs_for<const TY: u8>(a: &Q8RowsArgs<'_>, raw: &RawScales<'_>, out: &mut [f32], ostride: usize) {
+    match (a.group, a.tokens) {
+        (32, 4) => q4_maddubs::<TY, 32, 1, 4>(a, raw, out, ostride),
+        (64, 4) => q4_maddubs::<TY, 64, 1, 4>(a, raw, out, ostride),
+        (128, 4) => q4_maddubs::<TY, 128, 1, 4>(a, raw, out, ostride),
+        (32, _) => q4_maddubs::<TY, 32, 2, 1>(a, raw, out, ostride),
+        (64, _) => q4_maddubs::<TY, 64, 2, 1>(a, raw, out, ostride),
+        (128, _) => q4_maddubs::<TY, 128, 2, 1>(a, raw, out, ostride),
+        (g, _) => unreachable!("the AVX2 4-bit kernel takes groups of 32, 64 or 128, not {g}"),
     }
 }
 
