@@ -60,6 +60,8 @@ struct Report {
     kv_bytes_per_1k_tokens: u64,
     /// Linux's transparent huge page setting (`null` where the OS has none).
     huge_pages: Option<HugePages>,
+    /// The kernels' instruction set on this CPU, and which int8 kernels it has.
+    kernels: String,
     warm: Vec<Forecast>,
     cold: Vec<Forecast>,
 }
@@ -136,6 +138,7 @@ pub fn run(a: DoctorArgs) -> Result<()> {
         page_cache_for_experts: page_cache,
         kv_bytes_per_1k_tokens: size.footprint.kv_bytes_per_token * 1000,
         huge_pages: expert_store::platform::huge_pages(),
+        kernels: sluice_runtime::cpu::kernel_summary(),
         warm: top_ks
             .iter()
             .map(|&k| forecast(&size, &plan, &probes, opts.io_depth, k_of(k), false, page_cache))
@@ -243,6 +246,7 @@ fn print_report(r: &Report, plan: &MemoryPlan) {
         r.probes.matvec_gbps,
         r.probes.call_seconds * 1e6
     );
+    println!("kernels: {}", r.kernels);
     match r.huge_pages {
         Some(HugePages::Never) => println!(
             "huge pages: NEVER. Expert slots sit on 4 KiB pages, and uncached reads into them ran at half speed \

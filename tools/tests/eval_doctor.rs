@@ -158,6 +158,7 @@ fn doctor_sizes_plans_and_forecasts_from_a_config() {
     // The huge page setting the slots and resident weights will get, as the OS reports it.
     let thp = serde_json::to_value(expert_store::platform::huge_pages()).unwrap();
     assert_eq!(r["huge_pages"], thp, "{r}");
+    assert_eq!(r["kernels"], sluice_runtime::cpu::kernel_summary(), "{r}");
     if cfg!(target_os = "linux") {
         assert!(
             thp.is_string(),

@@ -243,6 +243,23 @@ pub fn pack_codes(bits: u32, codes: &[u32]) -> Vec<u8> {
     out
 }
 
+/// The instruction set the kernels use on this CPU and which int8 kernels `--kernels q8` gets there.
+pub fn kernel_summary() -> String {
+    let isa = Isa::detect();
+    let int8 = match isa {
+        Isa::Avx512 if q8::vnni_available() => {
+            "int8 kernels for 4- and 8-bit weights, tiled resident matrices, band kernel for streamed records \
+             (AVX-512 VNNI)"
+        }
+        Isa::Avx2 | Isa::Avx512 => {
+            "int8 kernel for 4-bit weights only, row by row (no AVX-512 VNNI: no tiles; 8-bit weights run the \
+             exact kernels)"
+        }
+        _ => "no int8 kernels (x86-64 only so far): --kernels q8 runs the exact kernels",
+    };
+    format!("{}: {int8}", format!("{isa:?}").to_ascii_lowercase())
+}
+
 /// This machine's DRAM read bandwidth in GB/s, two ways: the best of [`DramProbe::one_stream`] and
 /// [`DramProbe::four_streams`].
 pub fn dram_read_gbps(bytes: usize, time: std::time::Duration) -> f64 {
