@@ -252,10 +252,10 @@ pub fn kernel_summary() -> String {
              (AVX-512 VNNI)"
         }
         Isa::Avx2 | Isa::Avx512 => {
-            "int8 kernel for 4-bit weights only, row by row (no AVX-512 VNNI: no tiles; 8-bit weights run the \
-             exact kernels)"
+            "int8 kernel for 4-bit weights in groups of 32, 64 or 128, row by row (no AVX-512 VNNI: no tiles; \
+             8-bit weights run the exact kernels)"
         }
-        _ => "no int8 kernels (x86-64 only so far): --kernels q8 runs the exact kernels",
+        _ => "no int8 kernels for this instruction set (AVX2 and AVX-512 only so far): --kernels q8 runs the exact kernels",
     };
     format!("{}: {int8}", format!("{isa:?}").to_ascii_lowercase())
 }
@@ -785,8 +785,8 @@ fn q4_block_task(q: &QuantMatrix<'_>, c: &RowCtx<'_>, first: usize, n: usize, ch
     x86::fused_q4_block_avx512(&block, rows, n, chunk);
 }
 
-/// A task's rows (from `first`, `chunk` holds `[rows, n]` outputs) with the int8-activation kernel: the
-/// rows' scales and biases converted once, then all rows per token.
+/// A task's rows (from `first`, `chunk` holds `[rows, n]` outputs) with the int8-activation kernel: all rows
+/// for four tokens per pass while four remain, then one at a time.
 #[cfg(target_arch = "x86_64")]
 fn q8_task(
     q: &QuantMatrix<'_>,

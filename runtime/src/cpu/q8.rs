@@ -63,14 +63,15 @@ impl Q8Kernel {
                 ..Self::new(4, true)
             },
             (4, Isa::Avx512) if vnni => Self::new(4, true),
-            // The AVX2 kernel's steps hold one or two whole groups.
-            (4, Isa::Avx2 | Isa::Avx512) if matches!(q.group, 32 | 64 | 128) => Self::new(4, false),
+            (4, Isa::Avx2 | Isa::Avx512) => Self::new(4, false),
             (8, Isa::Avx512) if vnni => Self::new(8, true),
             _ => return None,
         };
         // The band kernel takes a last chunk of 32, 64 or 96 columns; the others want whole chunks.
         let whole = k.band || q.cols.is_multiple_of(k.chunk());
-        (q.group.is_multiple_of(BLOCK) && q.group <= 128 && whole).then_some(k)
+        // Each row-major kernel's step holds whole groups or lies inside one, so the group divides 128 (a group
+        // of 96 would straddle steps; those matrices run the exact kernels).
+        (matches!(q.group, 32 | 64 | 128) && q.cols.is_multiple_of(q.group) && whole).then_some(k)
     }
 
     fn new(bits: u32, avx512: bool) -> Self {

@@ -411,6 +411,47 @@ mod q8_kernels {
         }
     }
 
+    /// A group of 96 columns straddles the row-major kernels' steps, and a row must hold whole groups: other
+    /// matrices run the exact kernels.
+    #[test]
+    fn groups_that_do_not_divide_128_or_the_row_get_no_row_major_int8_kernel() {
+        let packed = vec![0u8; 16 * 384 / 2];
+        for (group, want) in [(96, false), (32, true), (64, true), (128, true)] {
+            let q = QuantMatrix {
+                packed: &packed,
+                scales: &[],
+                biases: &[],
+                scale_type: FloatType::F32,
+                bits: 4,
+                group,
+                rows: 16,
+                cols: 384,
+            };
+            for isa in Isa::available() {
+                let has = Q8Kernel::for_matrix(&q, isa).is_some();
+                if matches!(isa, Isa::Avx2 | Isa::Avx512) {
+                    assert_eq!(has, want, "{isa:?} group {group}");
+                } else {
+                    assert!(!has, "{isa:?} group {group}");
+                }
+            }
+        }
+        // Rows must hold whole groups: 192 columns in groups of 128 run the exact kernels.
+        let q = QuantMatrix {
+            packed: &packed,
+            scales: &[],
+            biases: &[],
+            scale_type: FloatType::F32,
+            bits: 4,
+            group: 128,
+            rows: 16,
+            cols: 192,
+        };
+        assert!(Isa::available()
+            .into_iter()
+            .all(|isa| Q8Kernel::for_matrix(&q, isa).is_none()));
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 100, ..ProptestConfig::default() })]
         #[test]

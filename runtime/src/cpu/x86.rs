@@ -427,7 +427,7 @@ pub(super) fn q8_rows(
     let groups = cols / a.group;
     let lanes = cols / k.lane_cols();
     assert!(
-        cols.is_multiple_of(k.chunk()) && a.group.is_multiple_of(32) && a.group <= 128,
+        cols.is_multiple_of(k.chunk()) && matches!(a.group, 32 | 64 | 128) && cols.is_multiple_of(a.group),
         "kernel shape"
     );
     assert!(
@@ -448,7 +448,6 @@ pub(super) fn q8_rows(
         raw.scales.len() >= a.rows * groups * raw.size && raw.biases.len() >= a.rows * groups * raw.size,
         "group bounds"
     );
-    assert!(k.avx512 || matches!(a.group, 32 | 64 | 128), "AVX2 group size");
     // The 4-bit kernels take one or four tokens per pass; the 8-bit one one at a time.
     if a.tokens > 1 && !(k.bits == 4 && a.tokens == 4) {
         for t in 0..a.tokens {
@@ -467,9 +466,9 @@ pub(super) fn q8_rows(
     // SAFETY: the kernel was chosen by `Q8Kernel::for_matrix`, which requires AVX2+FMA+F16C (selected ISA) and,
     // for `avx512`, AVX-512 F/BW/VL/VNNI detected at run time; the asserts bound every read: codes
     // (rows·row_bytes, cols·bits/8 per row), activations (tokens·cols), lane scales (tokens·cols/lane_cols),
-    // scales and biases (rows·groups values; AVX-512 loads are masked to the values needed, AVX2 reads a step's
-    // one or two values and copies a row's last biases), and every write (row r, token t at r·ostride + t).
-    // Prefetches past the end never fault.
+    // scales and biases (rows·groups values, whole groups per row; AVX-512 loads are masked to the values
+    // needed, AVX2 reads a step's one or two values unaligned and copies a row's last biases), and every write
+    // (row r, token t at r·ostride + t). Prefetches past the end never fault.
     unsafe {
         match (k.bits, k.avx512, raw.ty, a.tokens) {
             (4, true, F::F32, 4) => q4_vnni_raw::<TY_F32, 4>(a, raw, out, ostride),
@@ -695,8 +694,9 @@ unsafe fn step_scales<const TY: u8, const G: usize>(p: *const u8) -> __m256 {
     let two = G == 32;
     // The values in the low lanes of a 128-bit vector.
     let v = match TY {
-        TY_F32 if two => _mm_castpd_ps(_mm_load_sd(p as *const f64)),
-        TY_F32 => _mm_load_ss(p as *const f32),
+        // Scales need not be aligned: read as plain unaligned integers and floats.
+        TY_F32 if two => _mm_castsi128_ps(_mm_cvtsi64_si128(std::ptr::read_unaligned(p as *const i64))),
+        TY_F32 => _mm_set_ss(std::ptr::read_unaligned(p as *const f32)),
         _ => {
             let bits = if two {
                 std::ptr::read_unaligned(p as *const u32)
