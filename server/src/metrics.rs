@@ -265,11 +265,16 @@ impl Metrics {
 
     /// Whether every expert cache slot is backed with memory (`None`: experts do not go through a store).
     pub fn slots_backed(&self) -> Option<bool> {
-        (self.store.as_ref()).map(|s| s.source.slots_backed.load(std::sync::atomic::Ordering::Relaxed))
+        self.store.as_ref().map(StoreMetrics::backed)
     }
 }
 
 impl StoreMetrics {
+    /// Whether the store's slots are all backed with memory.
+    fn backed(&self) -> bool {
+        self.source.slots_backed.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Adds what the store did since the last scrape.
     fn advance(&self) {
         let now = self.source.snapshot();
@@ -297,9 +302,7 @@ impl StoreMetrics {
             }
         }
         self.depth.set(now.effective_queue_depth());
-        self.slots_backed.set(i64::from(
-            self.source.slots_backed.load(std::sync::atomic::Ordering::Relaxed),
-        ));
+        self.slots_backed.set(i64::from(self.backed()));
         *last = now;
     }
 }

@@ -416,17 +416,18 @@ mod q8_kernels {
     #[test]
     fn groups_that_do_not_divide_128_or_the_row_get_no_row_major_int8_kernel() {
         let packed = vec![0u8; 16 * 384 / 2];
+        let matrix = |group, cols| QuantMatrix {
+            packed: &packed,
+            scales: &[],
+            biases: &[],
+            scale_type: FloatType::F32,
+            bits: 4,
+            group,
+            rows: 16,
+            cols,
+        };
         for (group, want) in [(96, false), (32, true), (64, true), (128, true)] {
-            let q = QuantMatrix {
-                packed: &packed,
-                scales: &[],
-                biases: &[],
-                scale_type: FloatType::F32,
-                bits: 4,
-                group,
-                rows: 16,
-                cols: 384,
-            };
+            let q = matrix(group, 384);
             for isa in Isa::available() {
                 let has = Q8Kernel::for_matrix(&q, isa).is_some();
                 if matches!(isa, Isa::Avx2 | Isa::Avx512) {
@@ -437,16 +438,7 @@ mod q8_kernels {
             }
         }
         // Rows must hold whole groups: 192 columns in groups of 128 run the exact kernels.
-        let q = QuantMatrix {
-            packed: &packed,
-            scales: &[],
-            biases: &[],
-            scale_type: FloatType::F32,
-            bits: 4,
-            group: 128,
-            rows: 16,
-            cols: 192,
-        };
+        let q = matrix(128, 192);
         assert!(Isa::available()
             .into_iter()
             .all(|isa| Q8Kernel::for_matrix(&q, isa).is_none()));
