@@ -37,6 +37,12 @@ fn matmul_matches_the_int8_oracle_for_every_shape() {
         (4, 64, 37, 256, 9),
         (4, 32, 6, 384, 4),
         (4, 128, 3, 512, 6),
+        // Row lengths whose last AVX2 chunk of four 64-column steps is short (1, 2 or 3 steps).
+        (4, 64, 7, 320, 5),
+        (4, 64, 3, 448, 4),
+        (4, 32, 5, 192, 6),
+        (4, 128, 4, 640, 1),
+        (4, 32, 2, 64, 4),
     ] {
         let gpr = cols / group;
         let codes: Vec<u32> = (0..rows * cols).map(|_| rng.gen_range(0..(1u32 << bits))).collect();

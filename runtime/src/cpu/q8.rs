@@ -103,14 +103,14 @@ impl Q8Kernel {
         }
     }
 
-    /// Columns each i32 lane of the integer dot covers.
+    /// Columns each `lane_d` scale covers: an i32 lane of the integer dot, or a whole block for the kernels
+    /// that sum blocks before scaling them (tiled, band, and the AVX2 4-bit one).
     pub fn lane_cols(self) -> usize {
-        if self.tiled || self.band {
-            BLOCK
-        } else if self.bits == 4 {
-            8
-        } else {
-            4
+        match (self.bits, self.avx512) {
+            _ if self.tiled || self.band => BLOCK,
+            (4, false) => BLOCK,
+            (4, true) => 8,
+            _ => 4,
         }
     }
 }
@@ -175,6 +175,9 @@ fn quantize_row(k: Q8Kernel, x: &[f32], q: &mut [i8], d: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if k.avx512 {
         return super::x86::quantize_blocks_avx512(x, q, d);
+    } else if super::x86::f16c_available() {
+        // Every x86 int8 kernel runs on AVX2 at least (the ISA it was chosen for).
+        return super::x86::quantize_blocks_avx2(x, q, d);
     }
     let _ = k;
     for (b, (xb, qb)) in x.chunks(BLOCK).zip(q.chunks_mut(BLOCK)).enumerate() {

@@ -467,8 +467,9 @@ pub(super) fn q8_rows(
     // for `avx512`, AVX-512 F/BW/VL/VNNI detected at run time; the asserts bound every read: codes
     // (rows·row_bytes, cols·bits/8 per row), activations (tokens·cols), lane scales (tokens·cols/lane_cols),
     // scales and biases (rows·groups values, whole groups per row; AVX-512 loads are masked to the values
-    // needed, AVX2 reads a step's one or two values unaligned and copies a row's last biases), and every write
-    // (row r, token t at r·ostride + t). Prefetches past the end never fault.
+    // needed; AVX2 reads a whole four-step chunk's values unaligned, copies a short last chunk's and a row's last
+    // biases into zeroed buffers, and masks a short last chunk's lane scales), and every write (row r, token t
+    // at r·ostride + t). Prefetches past the end never fault.
     unsafe {
         match (k.bits, k.avx512, raw.ty, a.tokens) {
             (4, true, F::F32, 4) => q4_vnni_raw::<TY_F32, 4>(a, raw, out, ostride),
@@ -634,9 +635,13 @@ unsafe fn q8_vnni_raw<const TY: u8>(a: &Q8RowsArgs<'_>, raw: &RawScales<'_>, out
     }
 }
 
-/// The AVX2 4-bit kernel (no VNNI) for group size `G`: `vpmaddubsw` pairs, reading scales and biases in their
-/// stored type (no conversion pass), `R` rows and `T` tokens per pass (each code load and unpack serves every
-/// token). Every (row, token) result takes the same operations in the same order whatever `R` and `T` are.
+/// The AVX2 4-bit kernel (no VNNI) for group size `G`: `vpmaddubsw` pairs, `R` rows and `T` tokens per pass
+/// (each code load and unpack serves every token). Four 64-column steps make a chunk: two levels of `vphaddw`
+/// fold their i16 lanes and one `vpmaddwd` widens them into the chunk's eight 32-column block sums (a step's
+/// lane sums at most 7620 in magnitude, so four of them fit i16), which meet the blocks' `scale·d` in one
+/// conversion and one multiply-add: a quarter of the widening and float work of finishing every step alone.
+/// Scales and biases are read in their stored type. Every (row, token) result takes the same operations in the
+/// same order whatever `R` and `T` are.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4_maddubs<const TY: u8, const G: usize, const R: usize, const T: usize>(
     a: &Q8RowsArgs<'_>,
@@ -644,35 +649,28 @@ unsafe fn q4_maddubs<const TY: u8, const G: usize, const R: usize, const T: usiz
     out: &mut [f32],
     ostride: usize,
 ) {
-    let (xq, ld, cols) = (a.xq.as_ptr(), a.lane_d.as_ptr(), a.cols);
-    let groups = cols / G;
-    let size = raw.size;
-    let m = _mm256_set1_epi8(0x0f);
-    let ones = _mm256_set1_epi16(1);
+    let (cols, groups, size) = (a.cols, a.cols / G, raw.size);
+    let steps = cols / 64;
     let mut r = 0;
     while r < a.rows {
         let (rs, pp, ahead) = row_block::<R>(a, r);
-        let sp: [*const u8; R] = std::array::from_fn(|j| raw.scales.as_ptr().add(rs[j] * groups * size));
+        let mut rows = ChunkRows::<R> {
+            col: 0,
+            pp,
+            ahead,
+            sp: std::array::from_fn(|j| raw.scales.as_ptr().add(rs[j] * groups * size)),
+        };
         let mut acc = [[_mm256_setzero_ps(); T]; R];
-        for c in 0..cols / 64 {
-            // The block's rows consume 32·R bytes per step: at least one prefetched line per step.
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(32 * R * c) as *const i8);
-            for j in 0..R {
-                let v = _mm256_loadu_si256(pp[j].add(32 * c) as *const _);
-                let lo = _mm256_and_si256(v, m);
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m);
-                let s = step_scales::<TY, G>(sp[j].add(64 * c / G * size));
-                for (t, acc) in acc[j].iter_mut().enumerate() {
-                    let x = xq.add(t * cols + 64 * c);
-                    let xe = _mm256_loadu_si256(x as *const _);
-                    let xo = _mm256_loadu_si256(x.add(32) as *const _);
-                    let d = _mm256_loadu_ps(ld.add(t * cols / 8 + 8 * c));
-                    // u8 codes ≤ 15 times i8 ≤ 127: pair sums ≤ 3810, two of them ≤ 7620, no i16 saturation.
-                    let p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
-                    let i = _mm256_madd_epi16(p, ones);
-                    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(d, s), *acc);
-                }
-            }
+        for _ in 0..steps / 4 {
+            maddubs_chunk::<TY, G, R, T, 4>(a, &rows, size, &mut acc);
+            rows.advance::<G>(4, size);
+        }
+        // A short last chunk sums zeros for its missing steps and meets zero scales there.
+        match steps % 4 {
+            1 => maddubs_chunk::<TY, G, R, T, 1>(a, &rows, size, &mut acc),
+            2 => maddubs_chunk::<TY, G, R, T, 2>(a, &rows, size, &mut acc),
+            3 => maddubs_chunk::<TY, G, R, T, 3>(a, &rows, size, &mut acc),
+            _ => {}
         }
         let b = raw.biases.as_ptr();
         for j in 0..R.min(a.rows - r) {
@@ -686,37 +684,172 @@ unsafe fn q4_maddubs<const TY: u8, const G: usize, const R: usize, const T: usiz
     }
 }
 
-/// The scales of one 64-column step of the AVX2 4-bit kernel, per i32 lane (lane `i` covers columns `8i..8i+8`):
-/// with `G = 32` the step's two groups (lanes 0–3, 4–7), else its one group in every lane. Reads exactly
-/// those values of type `TY` at `p`.
+/// Where the AVX2 4-bit kernel's rows stand: the current chunk's first column, and the rows' codes, scales
+/// and prefetch stream there.
+struct ChunkRows<const R: usize> {
+    col: usize,
+    pp: [*const u8; R],
+    ahead: *const u8,
+    sp: [*const u8; R],
+}
+
+impl<const R: usize> ChunkRows<R> {
+    /// Moves on by `steps` 64-column steps.
+    #[inline(always)]
+    unsafe fn advance<const G: usize>(&mut self, steps: usize, size: usize) {
+        for j in 0..R {
+            self.pp[j] = self.pp[j].add(32 * steps);
+            self.sp[j] = self.sp[j].add(64 * steps / G * size);
+        }
+        self.ahead = self.ahead.wrapping_add(32 * R * steps);
+        self.col += 64 * steps;
+    }
+}
+
+/// One chunk of `N` ≤ 4 steps of [`q4_maddubs`] (from column `rows.col`), added into `acc`. Plain loops, no
+/// closures: a closure would be compiled without the caller's target features and called, not inlined.
 #[inline(always)]
-unsafe fn step_scales<const TY: u8, const G: usize>(p: *const u8) -> __m256 {
-    let two = G == 32;
-    // The values in the low lanes of a 128-bit vector.
-    let v = match TY {
-        // Scales need not be aligned: read as plain unaligned integers and floats.
-        TY_F32 if two => _mm_castsi128_ps(_mm_cvtsi64_si128(std::ptr::read_unaligned(p as *const i64))),
-        TY_F32 => _mm_set_ss(std::ptr::read_unaligned(p as *const f32)),
+unsafe fn maddubs_chunk<const TY: u8, const G: usize, const R: usize, const T: usize, const N: usize>(
+    a: &Q8RowsArgs<'_>,
+    rows: &ChunkRows<R>,
+    size: usize,
+    acc: &mut [[__m256; T]; R],
+) {
+    let (ones, zero) = (_mm256_set1_epi16(1), _mm256_setzero_si256());
+    // The tree leaves the chunk's blocks 0, 2, 4, 6 in i32 lanes 0–3 and 1, 3, 5, 7 in lanes 4–7, each the sum
+    // of at most four lanes of 7620, so no i16 lane overflows on the way.
+    let mut low = [[zero; T]; R];
+    let mut high = [[zero; T]; R];
+    maddubs_pair::<R, T>(a, rows, 0, N.min(2), &mut low);
+    if N > 2 {
+        maddubs_pair::<R, T>(a, rows, 2, N - 2, &mut high);
+    }
+    let order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    let blocks = a.cols / super::q8::BLOCK;
+    let mut d = [_mm256_setzero_ps(); T];
+    for (t, d) in d.iter_mut().enumerate() {
+        let p = a.lane_d.as_ptr().add(t * blocks + rows.col / super::q8::BLOCK);
+        let v = if N == 4 {
+            _mm256_loadu_ps(p)
+        } else {
+            let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * N as i32), lanes))
+        };
+        *d = _mm256_permutevar8x32_ps(v, order);
+    }
+    for j in 0..R {
+        let sc = chunk_scales::<TY, G>(rows.sp[j], size, N);
+        for t in 0..T {
+            let sums = _mm256_madd_epi16(_mm256_hadd_epi16(low[j][t], high[j][t]), ones);
+            acc[j][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(sc, d[t]), acc[j][t]);
+        }
+    }
+}
+
+/// Steps `first` and `first + 1` of the chunk at `rows` (only the first when `n` is 1), each row's and token's
+/// i16 lanes folded pairwise (`vphaddw`) into `out`; a missing second step adds zeros.
+#[inline(always)]
+unsafe fn maddubs_pair<const R: usize, const T: usize>(
+    a: &Q8RowsArgs<'_>,
+    rows: &ChunkRows<R>,
+    first: usize,
+    n: usize,
+    out: &mut [[__m256i; T]; R],
+) {
+    let zero = _mm256_setzero_si256();
+    let (mut even, mut odd) = ([[zero; T]; R], [[zero; T]; R]);
+    maddubs_step(a, rows, first, &mut even);
+    if n > 1 {
+        maddubs_step(a, rows, first + 1, &mut odd);
+    }
+    for ((o, e), d) in out.iter_mut().zip(&even).zip(&odd) {
+        for ((o, e), d) in o.iter_mut().zip(e).zip(d) {
+            *o = _mm256_hadd_epi16(*e, *d);
+        }
+    }
+}
+
+/// Step `s` of the chunk at `rows`: each row's and token's i16 lanes (lane `i`: columns 4i..4i+4 of the step).
+#[inline(always)]
+unsafe fn maddubs_step<const R: usize, const T: usize>(
+    a: &Q8RowsArgs<'_>,
+    rows: &ChunkRows<R>,
+    s: usize,
+    out: &mut [[__m256i; T]; R],
+) {
+    let m = _mm256_set1_epi8(0x0f);
+    // The block's rows consume 32·R bytes per step: at least one prefetched line per step.
+    _mm_prefetch::<_MM_HINT_T0>(rows.ahead.wrapping_add(32 * R * s) as *const i8);
+    for (p, out) in rows.pp.iter().zip(out.iter_mut()) {
+        let v = _mm256_loadu_si256(p.add(32 * s) as *const _);
+        let lo = _mm256_and_si256(v, m);
+        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m);
+        for (t, o) in out.iter_mut().enumerate() {
+            let x = a.xq.as_ptr().add(t * a.cols + rows.col + 64 * s);
+            let xe = _mm256_loadu_si256(x as *const _);
+            let xo = _mm256_loadu_si256(x.add(32) as *const _);
+            // u8 codes ≤ 15 times i8 ≤ 127: pair sums ≤ 3810, two of them ≤ 7620, no i16 saturation.
+            *o = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
+        }
+    }
+}
+
+/// The scales of one chunk (`steps` ≤ 4 steps of 64 columns) of the AVX2 4-bit kernel, one per 32-column
+/// block in the chunk's lane order (even blocks in lanes 0–3, odd ones in 4–7), read in type `TY` at `p`:
+/// exactly the chunk's `⌈64·steps/G⌉` values (a short chunk's missing blocks get zero).
+#[inline(always)]
+unsafe fn chunk_scales<const TY: u8, const G: usize>(p: *const u8, size: usize, steps: usize) -> __m256 {
+    if steps < 4 {
+        let mut tmp = [0u8; 32];
+        std::ptr::copy_nonoverlapping(p, tmp.as_mut_ptr(), (64 * steps).div_ceil(G) * size);
+        return chunk_scales_whole::<TY, G>(tmp.as_ptr());
+    }
+    chunk_scales_whole::<TY, G>(p)
+}
+
+/// [`chunk_scales`] for a whole chunk: 256/`G` values at `p`.
+#[inline(always)]
+unsafe fn chunk_scales_whole<const TY: u8, const G: usize>(p: *const u8) -> __m256 {
+    // Block b of the chunk lies in group b·32/G; lanes hold blocks 0, 2, 4, 6, 1, 3, 5, 7.
+    let (v, idx) = match G {
+        32 => (load8::<TY>(p), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)),
+        64 => (
+            _mm256_castps128_ps256(load4::<TY>(p)),
+            _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3),
+        ),
+        _ => (
+            _mm256_castps128_ps256(load2::<TY>(p)),
+            _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1),
+        ),
+    };
+    _mm256_permutevar8x32_ps(v, idx)
+}
+
+/// Four values of type `TY` at `p` as f32.
+#[inline(always)]
+unsafe fn load4<const TY: u8>(p: *const u8) -> __m128 {
+    match TY {
+        TY_F32 => _mm_loadu_ps(p as *const f32),
+        TY_F16 => _mm_cvtph_ps(_mm_loadl_epi64(p as *const _)),
+        _ => _mm_castsi128_ps(_mm_slli_epi32::<16>(_mm_cvtepu16_epi32(_mm_loadl_epi64(p as *const _)))),
+    }
+}
+
+/// Two values of type `TY` at `p` as f32 (lanes 0 and 1).
+#[inline(always)]
+unsafe fn load2<const TY: u8>(p: *const u8) -> __m128 {
+    match TY {
+        // Scales need not be aligned: read as plain unaligned integers.
+        TY_F32 => _mm_castsi128_ps(_mm_cvtsi64_si128(std::ptr::read_unaligned(p as *const i64))),
         _ => {
-            let bits = if two {
-                std::ptr::read_unaligned(p as *const u32)
-            } else {
-                u32::from(std::ptr::read_unaligned(p as *const u16))
-            };
-            let h = _mm_cvtsi32_si128(bits as i32);
+            let h = _mm_cvtsi32_si128(std::ptr::read_unaligned(p as *const u32) as i32);
             if TY == TY_F16 {
                 _mm_cvtph_ps(h)
             } else {
                 _mm_castsi128_ps(_mm_slli_epi32::<16>(_mm_cvtepu16_epi32(h)))
             }
         }
-    };
-    let idx = if two {
-        _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)
-    } else {
-        _mm256_setzero_si256()
-    };
-    _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), idx)
+    }
 }
 
 /// Eight values of type `TY` at `p` as f32.
@@ -844,12 +977,9 @@ unsafe fn quantize_blocks_avx512_impl(x: &[f32], q: &mut [i8], d: &mut [f32]) {
         );
         let amax = _mm512_reduce_max_ps(m);
         let out = q.as_mut_ptr().add(32 * b);
-        if amax == 0.0 || !amax.is_finite() {
-            std::ptr::write_bytes(out, 0, 32);
-            *db = if amax.is_finite() { 0.0 } else { f32::NAN };
+        let Some(scale) = block_scale(amax, out, db) else {
             continue;
-        }
-        let scale = amax / 127.0;
+        };
         let inv = _mm512_set1_ps(1.0 / scale);
         for (j, v) in v.into_iter().enumerate() {
             let s = _mm512_mul_ps(v, inv);
@@ -864,6 +994,73 @@ unsafe fn quantize_blocks_avx512_impl(x: &[f32], q: &mut [i8], d: &mut [f32]) {
             r = _mm512_min_epi32(_mm512_max_epi32(r, lo), hi);
             _mm_storeu_si128(out.add(16 * j) as *mut __m128i, _mm512_cvtepi32_epi8(r));
         }
+        *db = scale;
+    }
+}
+
+/// A block's scale `amax/127`, as [`super::q8::quantize_block`] takes it; for an all-zero or non-finite block,
+/// `None`, with its 32 codes at `out` zeroed and its scale `d` set to 0 or NaN.
+///
+/// Safety: `out` is valid for 32 bytes.
+#[inline(always)]
+unsafe fn block_scale(amax: f32, out: *mut i8, d: &mut f32) -> Option<f32> {
+    if amax == 0.0 || !amax.is_finite() {
+        std::ptr::write_bytes(out, 0, 32);
+        *d = if amax.is_finite() { 0.0 } else { f32::NAN };
+        return None;
+    }
+    Some(amax / 127.0)
+}
+
+/// [`super::q8::quantize_block`] for each 32-float block of `x` with AVX2, bit for bit: codes to `q`, scales to
+/// `d`.
+pub(super) fn quantize_blocks_avx2(x: &[f32], q: &mut [i8], d: &mut [f32]) {
+    assert!(
+        x.len().is_multiple_of(32) && q.len() == x.len() && d.len() == x.len() / 32,
+        "quantize bounds"
+    );
+    assert!(is_x86_feature_detected!("avx2"), "AVX2");
+    // SAFETY: AVX2 detected above; the assert bounds every 8-float load, 32-byte store and scale.
+    unsafe { quantize_blocks_avx2_impl(x, q, d) }
+}
+
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_blocks_avx2_impl(x: &[f32], q: &mut [i8], d: &mut [f32]) {
+    let sign = _mm256_set1_ps(-0.0);
+    let (half, neg_half) = (_mm256_set1_ps(0.5), _mm256_set1_ps(-0.5));
+    let (lo, hi) = (_mm256_set1_epi32(-127), _mm256_set1_epi32(127));
+    // `vpacks*` interleave 128-bit halves; this puts the 32 codes back in column order.
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (b, db) in d.iter_mut().enumerate() {
+        let p = x.as_ptr().add(32 * b);
+        let v: [__m256; 4] = [0, 8, 16, 24].map(|o| _mm256_loadu_ps(p.add(o)));
+        // `vmaxps` returns its second operand when either is NaN, so NaN elements drop out, as in `f32::max`.
+        let mut m = _mm256_setzero_ps();
+        for v in v {
+            m = _mm256_max_ps(_mm256_andnot_ps(sign, v), m);
+        }
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+        let out = q.as_mut_ptr().add(32 * b);
+        let Some(scale) = block_scale(amax, out, db) else {
+            continue;
+        };
+        let inv = _mm256_set1_ps(1.0 / scale);
+        let r = v.map(|v| {
+            let s = _mm256_mul_ps(v, inv);
+            let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(s);
+            let rem = _mm256_sub_ps(s, t);
+            // Compare masks are all ones (-1) where true: subtracting one steps up, adding one steps down.
+            let up = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GE_OQ>(rem, half));
+            let down = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LE_OQ>(rem, neg_half));
+            let ordered = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_ORD_Q>(s, s));
+            let r = _mm256_and_si256(_mm256_cvttps_epi32(t), ordered);
+            let r = _mm256_add_epi32(_mm256_sub_epi32(r, up), down);
+            _mm256_min_epi32(_mm256_max_epi32(r, lo), hi)
+        });
+        let w = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+        _mm256_storeu_si256(out as *mut __m256i, _mm256_permutevar8x32_epi32(w, order));
         *db = scale;
     }
 }
