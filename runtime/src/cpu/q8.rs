@@ -94,7 +94,8 @@ impl Q8Kernel {
     }
 
     /// Columns per kernel step; 4-bit steps keep even elements in the first half of a chunk and odd ones
-    /// in the second (a byte's low nibble is the even element).
+    /// in the second (a byte's low nibble is the even element). (The AVX2 4-bit kernel sums four such steps
+    /// at a time, its own "chunk" of 256 columns.)
     pub fn chunk(self) -> usize {
         match (self.bits, self.avx512) {
             (4, true) => 128,
@@ -154,6 +155,11 @@ pub fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
     }
     let d = amax / 127.0;
     let inv = 1.0 / d;
+    if !inv.is_finite() {
+        // A block below ~4e-37 has a subnormal scale whose inverse overflows: it rounds to all zeros.
+        q.fill(0);
+        return 0.0;
+    }
     for (o, v) in q.iter_mut().zip(x) {
         *o = round_to_i8(v * inv);
     }
@@ -270,6 +276,10 @@ mod tests {
         x[64] = f32::INFINITY;
         x[100] = f32::NAN;
         x[130] = -0.0;
+        // A block so small that 1/d overflows.
+        for (i, v) in x[160..192].iter_mut().enumerate() {
+            *v = (i as f32 - 15.5) * 1e-39;
+        }
         for k in [Q8Kernel::new(4, true), Q8Kernel::new(4, false)] {
             if k.avx512 && !vnni_available() {
                 continue;

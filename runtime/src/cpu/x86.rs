@@ -706,8 +706,9 @@ impl<const R: usize> ChunkRows<R> {
     }
 }
 
-/// One chunk of `N` ≤ 4 steps of [`q4_maddubs`] (from column `rows.col`), added into `acc`. Plain loops, no
-/// closures: a closure would be compiled without the caller's target features and called, not inlined.
+/// One chunk of `N` ≤ 4 steps of [`q4_maddubs`] (from column `rows.col`), added into `acc`. Plain loops: closures
+/// handed to `array::from_fn` here were called through `from_fn`, which lacks the caller's target features, so
+/// the intrinsics inside them were not inlined.
 #[inline(always)]
 unsafe fn maddubs_chunk<const TY: u8, const G: usize, const R: usize, const T: usize, const N: usize>(
     a: &Q8RowsArgs<'_>,
@@ -999,17 +1000,19 @@ unsafe fn quantize_blocks_avx512_impl(x: &[f32], q: &mut [i8], d: &mut [f32]) {
 }
 
 /// A block's scale `amax/127`, as [`super::q8::quantize_block`] takes it; for an all-zero or non-finite block,
-/// `None`, with its 32 codes at `out` zeroed and its scale `d` set to 0 or NaN.
+/// or one whose scale's inverse overflows, `None`, with its 32 codes at `out` zeroed and its scale `d` set to
+/// 0 (NaN for a non-finite block).
 ///
 /// Safety: `out` is valid for 32 bytes.
 #[inline(always)]
 unsafe fn block_scale(amax: f32, out: *mut i8, d: &mut f32) -> Option<f32> {
-    if amax == 0.0 || !amax.is_finite() {
+    let scale = amax / 127.0;
+    if amax == 0.0 || !amax.is_finite() || !(1.0 / scale).is_finite() {
         std::ptr::write_bytes(out, 0, 32);
         *d = if amax.is_finite() { 0.0 } else { f32::NAN };
         return None;
     }
-    Some(amax / 127.0)
+    Some(scale)
 }
 
 /// [`super::q8::quantize_block`] for each 32-float block of `x` with AVX2, bit for bit: codes to `q`, scales to
