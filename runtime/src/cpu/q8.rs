@@ -149,21 +149,32 @@ pub fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
         }
     }
     let amax = lanes.iter().fold(0f32, |m, &v| m.max(v));
-    if amax == 0.0 || !amax.is_finite() {
-        q.fill(0);
-        return if amax.is_finite() { 0.0 } else { f32::NAN };
-    }
-    let d = amax / 127.0;
+    let d = match block_scale(amax) {
+        Ok(d) => d,
+        Err(d) => {
+            q.fill(0);
+            return d;
+        }
+    };
     let inv = 1.0 / d;
-    if !inv.is_finite() {
-        // A block below ~4e-37 has a subnormal scale whose inverse overflows: it rounds to all zeros.
-        q.fill(0);
-        return 0.0;
-    }
     for (o, v) in q.iter_mut().zip(x) {
         *o = round_to_i8(v * inv);
     }
     d
+}
+
+/// The scale `d = amax/127` of a block whose largest magnitude is `amax`; or, for a block that quantizes to all
+/// zeros, `Err` with the scale it stores: 0 for an all-zero block or one below ~4e-37 (its subnormal `d` has an
+/// inverse that overflows), NaN for a non-finite one. Every ISA's quantizer takes this rule.
+pub(super) fn block_scale(amax: f32) -> Result<f32, f32> {
+    let d = amax / 127.0;
+    if !amax.is_finite() {
+        Err(f32::NAN)
+    } else if amax == 0.0 || !(1.0 / d).is_finite() {
+        Err(0.0)
+    } else {
+        Ok(d)
+    }
 }
 
 /// `v.round().clamp(-127, 127)` for `|v|` well below 2²³ (NaN gives 0), without a libm call: truncation, then

@@ -999,20 +999,18 @@ unsafe fn quantize_blocks_avx512_impl(x: &[f32], q: &mut [i8], d: &mut [f32]) {
     }
 }
 
-/// A block's scale `amax/127`, as [`super::q8::quantize_block`] takes it; for an all-zero or non-finite block,
-/// or one whose scale's inverse overflows, `None`, with its 32 codes at `out` zeroed and its scale `d` set to
-/// 0 (NaN for a non-finite block).
+/// [`super::q8::block_scale`] for a block whose 32 codes are at `out`: `None` after zeroing them and storing the
+/// block's scale in `d` when the block quantizes to all zeros.
 ///
 /// Safety: `out` is valid for 32 bytes.
 #[inline(always)]
 unsafe fn block_scale(amax: f32, out: *mut i8, d: &mut f32) -> Option<f32> {
-    let scale = amax / 127.0;
-    if amax == 0.0 || !amax.is_finite() || !(1.0 / scale).is_finite() {
-        std::ptr::write_bytes(out, 0, 32);
-        *d = if amax.is_finite() { 0.0 } else { f32::NAN };
-        return None;
-    }
-    Some(scale)
+    super::q8::block_scale(amax)
+        .map_err(|zero_scale| {
+            std::ptr::write_bytes(out, 0, 32);
+            *d = zero_scale;
+        })
+        .ok()
 }
 
 /// [`super::q8::quantize_block`] for each 32-float block of `x` with AVX2, bit for bit: codes to `q`, scales to
