@@ -26,8 +26,10 @@ pub struct TiledExperts {
     layers: HashMap<usize, LayerRecords>,
 }
 
-/// `layout`'s records as tiles: every matrix 4-bit with whole 32-column blocks per group, and whole 16-row
-/// tiles (so a tiled record has exactly the stored record's bytes and fits the slot its reads fill).
+/// `layout`'s records as tiles: every matrix 4-bit with whole 32-column blocks per group, whole 16-row tiles
+/// (so a tiled record has exactly the stored record's bytes and fits the slot its reads fill), and a shape
+/// whose stored layout this machine's row-major kernel computes to the same bits (records read as stored
+/// then give what tiled ones give).
 fn tiled_layout(layout: &ExpertLayout, inter: usize, hidden: usize) -> Option<ExpertLayout> {
     let mut formats = layout.formats;
     for (f, (_, (rows, cols))) in formats.iter_mut().zip(layout.matrices(inter, hidden)) {
@@ -36,7 +38,10 @@ fn tiled_layout(layout: &ExpertLayout, inter: usize, hidden: usize) -> Option<Ex
                 bits,
                 group,
                 scale_type,
-            } if tiled::tiles(bits, group, cols) && rows % tiled::TILE_ROWS == 0 => {
+            } if tiled::tiles(bits, group, cols)
+                && rows % tiled::TILE_ROWS == 0
+                && crate::cpu::q8::stored_matches_tiled(crate::cpu::Isa::detect(), group, cols) =>
+            {
                 *f = WeightFormat::Tiled { group, scale_type }
             }
             _ => return None,

@@ -252,8 +252,8 @@ pub fn kernel_summary() -> String {
              (AVX-512 VNNI)"
         }
         Isa::Avx2 | Isa::Avx512 => {
-            "int8 kernel for 4-bit weights in groups of 32, 64 or 128, row by row (no AVX-512 VNNI: no tiles; \
-             8-bit weights run the exact kernels)"
+            "int8 kernels for 4-bit weights: tiled resident matrices, row by row for streamed records in groups \
+             of 32, 64 or 128 (no AVX-512 VNNI; 8-bit weights run the exact kernels)"
         }
         _ => "no int8 kernels for this instruction set (AVX2 and AVX-512 only so far): --kernels q8 runs the exact kernels",
     };
@@ -719,6 +719,7 @@ fn tiled_task(m: &TiledMatrix<'_>, acts: &q8::QuantActs, c: &RowCtx<'_>, first: 
     while t < n {
         let tokens = if n - t >= 4 { 4 } else { 1 };
         let args = x86::TiledArgs {
+            avx512: c.layout.q8.is_some_and(|k| k.avx512),
             data,
             ty: m.scale_type,
             group: m.group,

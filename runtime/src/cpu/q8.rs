@@ -37,6 +37,17 @@ pub fn tiled_kernel_on(isa: Isa) -> bool {
     q8_activations() && cfg!(target_arch = "x86_64") && Q8Kernel::for_tiled(isa).is_some()
 }
 
+/// Whether a stored (row-major) 4-bit matrix of `cols` columns in groups of `group` gets, on `isa`, the bits
+/// its tiles get: the AVX-512 band kernel takes every tileable shape; the AVX2 row-major kernel, whose
+/// arithmetic the AVX2 tiled kernel follows, takes whole 64-column steps in groups of 32, 64 or 128.
+pub fn stored_matches_tiled(isa: Isa, group: usize, cols: usize) -> bool {
+    match Q8Kernel::for_tiled(isa) {
+        Some(k) if k.avx512 => true,
+        Some(_) => matches!(group, 32 | 64 | 128) && cols.is_multiple_of(64),
+        None => false,
+    }
+}
+
 /// Which integer kernel serves a matrix, and the activation layout it wants.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Q8Kernel {
@@ -83,11 +94,12 @@ impl Q8Kernel {
         }
     }
 
-    /// The kernel for a tiled 4-bit matrix on `isa`, if one exists (AVX-512 VNNI).
+    /// The kernel for a tiled 4-bit matrix on `isa`, if one exists (AVX-512 VNNI, or AVX2).
     pub fn for_tiled(isa: Isa) -> Option<Self> {
-        (isa == Isa::Avx512 && vnni_available()).then_some(Self {
+        let avx512 = isa == Isa::Avx512 && vnni_available();
+        (avx512 || matches!(isa, Isa::Avx2 | Isa::Avx512)).then_some(Self {
             bits: 4,
-            avx512: true,
+            avx512,
             tiled: true,
             band: false,
         })

@@ -463,72 +463,140 @@ mod q8_kernels {
     /// for every token count (four per pass, then one), group size, scale type and width (whole 128-column
     /// steps or a shorter last one).
     fn band_equals_tiled(bands: usize, groups: usize, group: usize, n: usize, st: FloatType, seed: u64) {
-        use rand::{Rng, SeedableRng};
-        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-        let (rows, cols) = (16 * bands, group * groups);
-        let (gpr, blocks) = (cols / group, cols / BLOCK);
-        let codes: Vec<u32> = (0..rows * cols).map(|_| rng.gen_range(0..16)).collect();
-        let s: Vec<f32> = (0..rows * gpr).map(|_| rng.gen_range(-0.1f32..0.1)).collect();
-        let b: Vec<f32> = (0..rows * gpr).map(|_| rng.gen_range(-1f32..1.0)).collect();
-        let (packed, scales, biases) = (pack(4, &codes), encode(st, &s), encode(st, &b));
-        let q = QuantMatrix {
-            packed: &packed,
-            scales: &scales,
-            biases: &biases,
-            scale_type: st,
-            bits: 4,
-            group,
-            rows,
-            cols,
-        };
-        let band = Q8Kernel::for_matrix(&q, Isa::Avx512).expect("a 4-bit kernel");
+        let m = RandomQ4::new(16 * bands, group * groups, group, n, st, seed);
+        let (rows, cols) = (m.rows, m.cols);
+        let band = Q8Kernel::for_matrix(&m.q(), Isa::Avx512).expect("a 4-bit kernel");
         assert!(band.band, "whole bands take the band kernel");
-        let x: Vec<f32> = (0..n * cols)
-            .map(|_| rng.gen_range(-3f32..3.0) * rng.gen_range(0f32..1.0))
-            .collect();
-        let xsum = group_sums(&x, group);
-        let tiles = tiled::tile(&q).expect("tiles");
+        let tiles = tiled::tile(&m.q()).expect("tiles");
         let (ba, ta) = (
-            q8::quantize(&x, n, cols, band),
-            q8::quantize(&x, n, cols, Q8Kernel::for_tiled(Isa::Avx512).unwrap()),
+            q8::quantize(&m.x, n, cols, band),
+            q8::quantize(&m.x, n, cols, Q8Kernel::for_tiled(Isa::Avx512).unwrap()),
         );
         assert_eq!(ba.lane_d, ta.lane_d, "one scale per block in both");
         let (mut got, mut want) = (vec![0f32; rows * n], vec![0f32; rows * n]);
-        let mut t = 0;
-        while t < n {
-            let tokens = if n - t >= 4 { 4 } else { 1 };
-            let xs = t * cols..(t + tokens) * cols;
-            let ds = t * blocks..(t + tokens) * blocks;
-            let gs = t * gpr..(t + tokens) * gpr;
+        for (t, tokens) in token_passes(n) {
+            let [xs, ds, gs] = m.token_ranges(t, tokens);
             let args = x86::BandArgs {
-                packed: &packed,
-                scales: &scales,
-                biases: &biases,
+                packed: &m.packed,
+                scales: &m.scales,
+                biases: &m.biases,
                 ty: st,
                 group,
                 rows,
                 cols,
                 tokens,
-                xq: &ba.xq[xs.clone()],
-                block_d: &ba.lane_d[ds.clone()],
-                xsum: &xsum[gs.clone()],
+                xq: &ba.xq[xs],
+                block_d: &ba.lane_d[ds],
+                xsum: &m.xsum[gs],
             };
             x86::q4_band_rows(&args, &mut got[t..], n);
-            let args = x86::TiledArgs {
-                data: &tiles,
-                ty: st,
+            x86::q4_tiled_rows(&m.tiled_args(&tiles, &ta, (t, tokens), true), &mut want[t..], n);
+        }
+        assert_same_bits(&got, &want, n);
+    }
+
+    /// A random 4-bit matrix with scales and biases of one type, and `n` tokens of activations.
+    struct RandomQ4 {
+        packed: Vec<u8>,
+        scales: Vec<u8>,
+        biases: Vec<u8>,
+        st: FloatType,
+        group: usize,
+        rows: usize,
+        cols: usize,
+        x: Vec<f32>,
+        xsum: Vec<f32>,
+    }
+
+    impl RandomQ4 {
+        fn new(rows: usize, cols: usize, group: usize, n: usize, st: FloatType, seed: u64) -> Self {
+            use rand::{Rng, SeedableRng};
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let gpr = cols / group;
+            let codes: Vec<u32> = (0..rows * cols).map(|_| rng.gen_range(0..16)).collect();
+            let s: Vec<f32> = (0..rows * gpr).map(|_| rng.gen_range(-0.1f32..0.1)).collect();
+            let b: Vec<f32> = (0..rows * gpr).map(|_| rng.gen_range(-1f32..1.0)).collect();
+            let x: Vec<f32> = (0..n * cols)
+                .map(|_| rng.gen_range(-3f32..3.0) * rng.gen_range(0f32..1.0))
+                .collect();
+            Self {
+                packed: pack(4, &codes),
+                scales: encode(st, &s),
+                biases: encode(st, &b),
+                st,
                 group,
                 rows,
                 cols,
-                tokens,
-                xq: &ta.xq[xs],
-                block_d: &ta.lane_d[ds],
-                xsum: &xsum[gs],
-            };
-            x86::q4_tiled_rows(&args, &mut want[t..], n);
-            t += tokens;
+                xsum: group_sums(&x, group),
+                x,
+            }
         }
-        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+
+        /// Where tokens `t..t + tokens` lie in the activations, their block scales and their group sums.
+        fn token_ranges(&self, t: usize, tokens: usize) -> [std::ops::Range<usize>; 3] {
+            let (cols, blocks, groups) = (self.cols, self.cols / BLOCK, self.cols / self.group);
+            [
+                t * cols..(t + tokens) * cols,
+                t * blocks..(t + tokens) * blocks,
+                t * groups..(t + tokens) * groups,
+            ]
+        }
+
+        /// The tiled kernel's arguments for tokens `t..t + tokens` of this matrix tiled as `tiles`, its
+        /// activations quantized as `acts`.
+        fn tiled_args<'a>(
+            &'a self,
+            tiles: &'a [u8],
+            acts: &'a q8::QuantActs,
+            (t, tokens): (usize, usize),
+            avx512: bool,
+        ) -> x86::TiledArgs<'a> {
+            let [xs, ds, gs] = self.token_ranges(t, tokens);
+            x86::TiledArgs {
+                avx512,
+                data: tiles,
+                ty: self.st,
+                group: self.group,
+                rows: self.rows,
+                cols: self.cols,
+                tokens,
+                xq: &acts.xq[xs],
+                block_d: &acts.lane_d[ds],
+                xsum: &self.xsum[gs],
+            }
+        }
+
+        fn q(&self) -> QuantMatrix<'_> {
+            QuantMatrix {
+                packed: &self.packed,
+                scales: &self.scales,
+                biases: &self.biases,
+                scale_type: self.st,
+                bits: 4,
+                group: self.group,
+                rows: self.rows,
+                cols: self.cols,
+            }
+        }
+    }
+
+    /// `(first token, tokens)` of each kernel pass over `n` tokens: four while four remain, then one.
+    fn token_passes(n: usize) -> impl Iterator<Item = (usize, usize)> {
+        let mut t = 0;
+        std::iter::from_fn(move || {
+            let tokens = match n - t {
+                0 => return None,
+                1..4 => 1,
+                _ => 4,
+            };
+            t += tokens;
+            Some((t - tokens, tokens))
+        })
+    }
+
+    /// `got` and `want` (`[rows, n]`) hold the same bits.
+    fn assert_same_bits(got: &[f32], want: &[f32], n: usize) {
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
             assert_eq!(g.to_bits(), w.to_bits(), "row {} token {}: {g} vs {w}", i / n, i % n);
         }
     }
@@ -548,6 +616,61 @@ mod q8_kernels {
                 band_equals_tiled(bands, groups, group, n, st, seed);
             }
         }
+
+        #[test]
+        fn avx2_row_major_rows_give_the_avx2_tiled_kernels_bits(
+            rows in 1usize..150,
+            steps in 1usize..20,
+            group in prop::sample::select(vec![32usize, 64, 128]),
+            n in 1usize..10,
+            st in prop::sample::select(vec![FloatType::F32, FloatType::F16, FloatType::BF16]),
+            seed in any::<u64>(),
+        ) {
+            if Isa::available().contains(&Isa::Avx2) {
+                avx2_row_major_equals_tiled(rows, steps, group, n, st, seed);
+            }
+        }
+    }
+
+    /// The AVX2 row-major 4-bit kernel and the AVX2 tiled kernel give the same bits on one matrix, stored and
+    /// tiled, for every token count (four per pass, then one), group size, scale type, partial last tile and
+    /// width (rows whose last 256-column chunk and last batch of eight groups are short). A stored expert record
+    /// then computes what its tiled copy computes, so streamed decode equals resident decode on AVX2.
+    fn avx2_row_major_equals_tiled(rows: usize, steps: usize, group: usize, n: usize, st: FloatType, seed: u64) {
+        let m = RandomQ4::new(rows, (64 * steps).next_multiple_of(group), group, n, st, seed);
+        let cols = m.cols;
+        let row_major = Q8Kernel::for_matrix(&m.q(), Isa::Avx2).expect("the AVX2 4-bit kernel");
+        let tiled_k = Q8Kernel::for_tiled(Isa::Avx2).expect("the AVX2 tiled kernel");
+        assert!(!row_major.avx512 && !row_major.band && !tiled_k.avx512 && tiled_k.tiled);
+        let tiles = tiled::tile(&m.q()).expect("tiles");
+        let (ra, ta) = (
+            q8::quantize(&m.x, n, cols, row_major),
+            q8::quantize(&m.x, n, cols, tiled_k),
+        );
+        let raw = x86::RawScales {
+            scales: &m.scales,
+            biases: &m.biases,
+            ty: st,
+            size: st.size(),
+        };
+        let (mut got, mut want) = (vec![0f32; rows * n], vec![0f32; rows * n]);
+        for (t, tokens) in token_passes(n) {
+            let [xs, ds, gs] = m.token_ranges(t, tokens);
+            let args = x86::Q8RowsArgs {
+                packed: &m.packed,
+                row_bytes: cols / 2,
+                rows,
+                tokens,
+                cols,
+                xq: &ra.xq[xs],
+                lane_d: &ra.lane_d[ds],
+                xsum: &m.xsum[gs],
+                group,
+            };
+            x86::q8_rows(row_major, &args, &raw, &mut want[t..], n);
+            x86::q4_tiled_rows(&m.tiled_args(&tiles, &ta, (t, tokens), false), &mut got[t..], n);
+        }
+        assert_same_bits(&got, &want, n);
     }
 
     /// Rows longer than the property test's (1,056 to 4,096 columns: 8 to 32 128-column steps, some with a
