@@ -4,8 +4,8 @@
 //! bound by streaming weight bytes, so its figure is weight GB/s and the ratio to the DRAM probe, once with each
 //! matrix split across the threads (as attention's projections run) and once with whole matrices per thread
 //! (as a layer's experts run); prefill reuses each unpacked row across tokens, so its figure is GFLOP/s. With
-//! the int8 kernels on a CPU that has the tiled kernel (AVX-512 VNNI), a last row measures the same matrices
-//! repacked into tiles.
+//! the int8 kernels on a CPU that has a tiled kernel (AVX-512 VNNI or AVX2), a last row measures the same
+//! matrices repacked into tiles.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};

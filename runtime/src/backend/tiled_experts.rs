@@ -7,7 +7,7 @@ use std::collections::HashMap;
 
 use expert_store::RecordTransform;
 
-use crate::cpu::{tiled, MatRef};
+use crate::cpu::{tiled, Isa, MatRef};
 use crate::linear::WeightFormat;
 use crate::weights::ExpertLayout;
 
@@ -30,7 +30,7 @@ pub struct TiledExperts {
 /// (so a tiled record has exactly the stored record's bytes and fits the slot its reads fill), and a shape
 /// whose stored layout this machine's row-major kernel computes to the same bits (records read as stored
 /// then give what tiled ones give).
-fn tiled_layout(layout: &ExpertLayout, inter: usize, hidden: usize) -> Option<ExpertLayout> {
+fn tiled_layout(isa: Isa, layout: &ExpertLayout, inter: usize, hidden: usize) -> Option<ExpertLayout> {
     let mut formats = layout.formats;
     for (f, (_, (rows, cols))) in formats.iter_mut().zip(layout.matrices(inter, hidden)) {
         match *f {
@@ -40,7 +40,7 @@ fn tiled_layout(layout: &ExpertLayout, inter: usize, hidden: usize) -> Option<Ex
                 scale_type,
             } if tiled::tiles(bits, group, cols)
                 && rows % tiled::TILE_ROWS == 0
-                && crate::cpu::q8::stored_matches_tiled(crate::cpu::Isa::detect(), group, cols) =>
+                && crate::cpu::q8::stored_matches_tiled(isa, group, cols) =>
             {
                 *f = WeightFormat::Tiled { group, scale_type }
             }
@@ -51,12 +51,12 @@ fn tiled_layout(layout: &ExpertLayout, inter: usize, hidden: usize) -> Option<Ex
 }
 
 impl TiledExperts {
-    /// For `(layer, stored layout, intermediate size, hidden size)` of each MoE layer; layers that cannot be
-    /// tiled are left as stored.
-    pub fn new(layers: impl IntoIterator<Item = (usize, ExpertLayout, usize, usize)>) -> Self {
+    /// For `(layer, stored layout, intermediate size, hidden size)` of each MoE layer, with the kernels of
+    /// `isa`; layers that cannot be tiled are left as stored.
+    pub fn new(isa: Isa, layers: impl IntoIterator<Item = (usize, ExpertLayout, usize, usize)>) -> Self {
         let layers = (layers.into_iter())
             .filter_map(|(layer, stored, inter, hidden)| {
-                let tiled = tiled_layout(&stored, inter, hidden)?;
+                let tiled = tiled_layout(isa, &stored, inter, hidden)?;
                 Some((
                     layer,
                     LayerRecords {
@@ -215,7 +215,7 @@ mod tests {
             let as_read: Vec<OwnedBytes> = parts.iter().map(|p| OwnedBytes::from_vec(p.clone())).collect();
             let want = stored.linears(INTER, HIDDEN, &as_read).unwrap();
 
-            let t = TiledExperts::new([(5, stored, INTER, HIDDEN)]);
+            let t = TiledExperts::new(Isa::Avx2, [(5, stored, INTER, HIDDEN)]);
             assert!(t.parts(4, &from).is_none(), "a layer without tiling is left as read");
             let to = t.parts(5, &from).unwrap();
             assert!(to.iter().all(|&(at, len)| at + len <= read.len() && at % 64 == 0));
@@ -253,7 +253,10 @@ mod tests {
         };
         // 8-bit up, a partial tile (gate and up rows) and groups that do not divide the columns (down's) stay
         // as stored.
-        let t = TiledExperts::new([(0, ok, INTER, HIDDEN), (1, eight, INTER, HIDDEN), (2, ok, 40, HIDDEN)]);
+        let t = TiledExperts::new(
+            Isa::Avx2,
+            [(0, ok, INTER, HIDDEN), (1, eight, INTER, HIDDEN), (2, ok, 40, HIDDEN)],
+        );
         assert!(t.layout(0).is_some() && t.layout(1).is_none() && t.layout(2).is_none());
 
         // A record whose parts are short is an error, not a panic.

@@ -37,13 +37,15 @@ pub fn tiled_kernel_on(isa: Isa) -> bool {
     q8_activations() && cfg!(target_arch = "x86_64") && Q8Kernel::for_tiled(isa).is_some()
 }
 
-/// Whether a stored (row-major) 4-bit matrix of `cols` columns in groups of `group` gets, on `isa`, the bits
-/// its tiles get: the AVX-512 band kernel takes every tileable shape; the AVX2 row-major kernel, whose
-/// arithmetic the AVX2 tiled kernel follows, takes whole 64-column steps in groups of 32, 64 or 128.
+/// Whether a stored (row-major) 4-bit matrix of `cols` columns in groups of `group` (whole 16-row bands)
+/// gets, on `isa`, the bits its tiles get. Both row-major int8 kernels take groups of 32, 64 or 128 only (others
+/// run the exact kernels); the AVX-512 band kernel then takes any width of whole blocks, the AVX2 row-major
+/// kernel, whose arithmetic the AVX2 tiled kernel follows, whole 64-column steps.
 pub fn stored_matches_tiled(isa: Isa, group: usize, cols: usize) -> bool {
+    let groups = matches!(group, 32 | 64 | 128) && cols.is_multiple_of(group);
     match Q8Kernel::for_tiled(isa) {
-        Some(k) if k.avx512 => true,
-        Some(_) => matches!(group, 32 | 64 | 128) && cols.is_multiple_of(64),
+        Some(k) if k.avx512 => groups,
+        Some(_) => groups && cols.is_multiple_of(64),
         None => false,
     }
 }

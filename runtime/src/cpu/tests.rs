@@ -633,7 +633,7 @@ mod q8_kernels {
     }
 
     /// The AVX2 row-major 4-bit kernel and the AVX2 tiled kernel give the same bits on one matrix, stored and
-    /// tiled, for every token count (four per pass, then one), group size, scale type, partial last tile and
+    /// tiled, for every token count (four per pass, then one; or three, two and one), group size, scale type, partial last tile and
     /// width (rows whose last 256-column chunk and last batch of eight groups are short). A stored expert record
     /// then computes what its tiled copy computes, so streamed decode equals resident decode on AVX2.
     fn avx2_row_major_equals_tiled(rows: usize, steps: usize, group: usize, n: usize, st: FloatType, seed: u64) {
@@ -671,6 +671,13 @@ mod q8_kernels {
             x86::q4_tiled_rows(&m.tiled_args(&tiles, &ta, (t, tokens), false), &mut got[t..], n);
         }
         assert_same_bits(&got, &want, n);
+        // Passes of three tokens (and a last one of one or two) give the same.
+        let mut again = vec![f32::NAN; rows * n];
+        for t in (0..n).step_by(3) {
+            let args = m.tiled_args(&tiles, &ta, (t, 3.min(n - t)), false);
+            x86::q4_tiled_rows(&args, &mut again[t..], n);
+        }
+        assert_same_bits(&again, &want, n);
     }
 
     /// Rows longer than the property test's (1,056 to 4,096 columns: 8 to 32 128-column steps, some with a

@@ -1125,35 +1125,30 @@ pub(super) fn q4_tiled_rows(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) 
         (groups, blocks),
         (out, ostride, a.rows),
     );
-    use super::tiled::PANEL_TILES;
-    use super::FloatType as F;
-    if !a.avx512 {
+    if a.avx512 {
+        assert!(super::q8::vnni_available(), "AVX-512 VNNI");
+    } else {
         assert!(
             f16c_available() && is_x86_feature_detected!("fma"),
             "AVX2, FMA and F16C"
         );
-        // SAFETY: AVX2, FMA and F16C detected; the asserts above bound every read and write as below.
-        unsafe {
-            match (a.ty, a.tokens) {
-                (F::F32, 4) => q4_tiled_avx2::<TY_F32, 4>(a, out, ostride),
-                (F::F16, 4) => q4_tiled_avx2::<TY_F16, 4>(a, out, ostride),
-                (F::BF16, 4) => q4_tiled_avx2::<TY_BF16, 4>(a, out, ostride),
-                (F::F32, _) => q4_tiled_avx2::<TY_F32, 1>(a, out, ostride),
-                (F::F16, _) => q4_tiled_avx2::<TY_F16, 1>(a, out, ostride),
-                (F::BF16, _) => q4_tiled_avx2::<TY_BF16, 1>(a, out, ostride),
-            }
-        }
-        return;
     }
-    // SAFETY: AVX-512 F/BW/VL/VNNI detected above; the asserts bound every read (tiles of `rows`, `tokens`
-    // rows of activations, block scales and group sums) and every write (row < rows, token < tokens at
-    // row·ostride + token); prefetches may point past the tiles, by wrapping arithmetic, and never fault.
+    use super::tiled::PANEL_TILES;
+    use super::FloatType as F;
+    // SAFETY: the kernel's instruction set (AVX-512 F/BW/VL/VNNI, or AVX2, FMA and F16C) detected above; the
+    // asserts bound every read (tiles of `rows`, `tokens` rows of activations, block scales and group sums) and
+    // every write (row < rows, token < tokens at row·ostride + token); prefetches may point past the tiles, by
+    // wrapping arithmetic, and never fault.
     unsafe {
-        match (a.ty, a.tokens) {
-            (F::F32, 4) => q4_tiled::<TY_F32, 4, 1>(a, out, ostride),
-            (F::F16, 4) => q4_tiled::<TY_F16, 4, 1>(a, out, ostride),
-            (F::BF16, 4) => q4_tiled::<TY_BF16, 4, 1>(a, out, ostride),
-            (ty, t) => {
+        match (a.avx512, a.ty, a.tokens) {
+            (true, F::F32, 4) => q4_tiled::<TY_F32, 4, 1>(a, out, ostride),
+            (true, F::F16, 4) => q4_tiled::<TY_F16, 4, 1>(a, out, ostride),
+            (true, F::BF16, 4) => q4_tiled::<TY_BF16, 4, 1>(a, out, ostride),
+            (false, F::F32, 4) => q4_tiled_avx2::<TY_F32, 4>(a, out, ostride),
+            (false, F::F16, 4) => q4_tiled_avx2::<TY_F16, 4>(a, out, ostride),
+            (false, F::BF16, 4) => q4_tiled_avx2::<TY_BF16, 4>(a, out, ostride),
+            // Other counts one token at a time.
+            (avx512, ty, t) => {
                 for t in 0..t {
                     let one = TiledArgs {
                         tokens: 1,
@@ -1162,10 +1157,14 @@ pub(super) fn q4_tiled_rows(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) 
                         xsum: &a.xsum[t * groups..],
                         ..*a
                     };
-                    match ty {
-                        F::F32 => q4_tiled::<TY_F32, 1, PANEL_TILES>(&one, &mut out[t..], ostride),
-                        F::F16 => q4_tiled::<TY_F16, 1, PANEL_TILES>(&one, &mut out[t..], ostride),
-                        F::BF16 => q4_tiled::<TY_BF16, 1, PANEL_TILES>(&one, &mut out[t..], ostride),
+                    let out = &mut out[t..];
+                    match (avx512, ty) {
+                        (true, F::F32) => q4_tiled::<TY_F32, 1, PANEL_TILES>(&one, out, ostride),
+                        (true, F::F16) => q4_tiled::<TY_F16, 1, PANEL_TILES>(&one, out, ostride),
+                        (true, F::BF16) => q4_tiled::<TY_BF16, 1, PANEL_TILES>(&one, out, ostride),
+                        (false, F::F32) => q4_tiled_avx2::<TY_F32, 1>(&one, out, ostride),
+                        (false, F::F16) => q4_tiled_avx2::<TY_F16, 1>(&one, out, ostride),
+                        (false, F::BF16) => q4_tiled_avx2::<TY_BF16, 1>(&one, out, ostride),
                     }
                 }
             }

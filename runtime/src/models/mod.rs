@@ -142,9 +142,10 @@ pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &Expe
 /// The rewrite into the int8 kernels' tiles, for the cpu backend where that kernel runs and for the MoE layers
 /// whose records can be tiled (`None`: records stay as stored).
 fn expert_tiles(arch: &Architecture, layouts: &[ExpertLayout], opts: &ExpertOptions) -> Option<Arc<TiledExperts>> {
-    let on = opts.backend == BackendKind::Cpu && crate::cpu::q8::tiled_kernel_on(crate::cpu::Isa::detect());
+    let isa = crate::cpu::Isa::detect();
+    let on = opts.backend == BackendKind::Cpu && crate::cpu::q8::tiled_kernel_on(isa);
     let layers = (arch.moe_layers().zip(layouts)).map(|((l, inter), f)| (l, *f, inter, arch.dims.hidden));
-    Some(Arc::new(TiledExperts::new(layers))).filter(|t| on && !t.is_empty())
+    Some(Arc::new(TiledExperts::new(isa, layers))).filter(|t| on && !t.is_empty())
 }
 
 /// The architecture's description function for a `model_type`.
