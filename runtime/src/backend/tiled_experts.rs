@@ -40,7 +40,7 @@ fn tiled_layout(isa: Isa, layout: &ExpertLayout, inter: usize, hidden: usize) ->
                 scale_type,
             } if tiled::tiles(bits, group, cols)
                 && rows % tiled::TILE_ROWS == 0
-                && crate::cpu::q8::stored_matches_tiled(isa, group, cols) =>
+                && crate::cpu::q8::stored_matches_tiled(isa, group, rows, cols) =>
             {
                 *f = WeightFormat::Tiled { group, scale_type }
             }

@@ -37,16 +37,14 @@ pub fn tiled_kernel_on(isa: Isa) -> bool {
     q8_activations() && cfg!(target_arch = "x86_64") && Q8Kernel::for_tiled(isa).is_some()
 }
 
-/// Whether a stored (row-major) 4-bit matrix of `cols` columns in groups of `group` (whole 16-row bands)
-/// gets, on `isa`, the bits its tiles get. Both row-major int8 kernels take groups of 32, 64 or 128 only (others
-/// run the exact kernels); the AVX-512 band kernel then takes any width of whole blocks, the AVX2 row-major
-/// kernel, whose arithmetic the AVX2 tiled kernel follows, whole 64-column steps.
-pub fn stored_matches_tiled(isa: Isa, group: usize, cols: usize) -> bool {
-    let groups = matches!(group, 32 | 64 | 128) && cols.is_multiple_of(group);
-    match Q8Kernel::for_tiled(isa) {
-        Some(k) if k.avx512 => groups,
-        Some(_) => groups && cols.is_multiple_of(64),
-        None => false,
+/// Whether a stored (row-major) 4-bit `[rows, cols]` matrix in groups of `group` gets, on `isa`, the bits its
+/// tiles get: its row-major int8 kernel is the AVX-512 band kernel, which follows the AVX-512 tiled kernel, or
+/// the AVX2 4-bit kernel, which the AVX2 tiled kernel follows (other shapes run other kernels).
+pub fn stored_matches_tiled(isa: Isa, group: usize, rows: usize, cols: usize) -> bool {
+    match (Q8Kernel::for_tiled(isa), Q8Kernel::for_shape(4, group, rows, cols, isa)) {
+        (Some(t), Some(k)) if t.avx512 => k.band,
+        (Some(_), Some(k)) => !k.avx512,
+        _ => false,
     }
 }
 
@@ -68,10 +66,15 @@ pub(super) struct Q8Kernel {
 impl Q8Kernel {
     /// The kernel for `q` on `isa`, if one exists.
     pub fn for_matrix(q: &QuantMatrix<'_>, isa: Isa) -> Option<Self> {
+        Self::for_shape(q.bits, q.group, q.rows, q.cols, isa)
+    }
+
+    /// The kernel for a `bits`-bit `[rows, cols]` matrix in groups of `group` on `isa`, if one exists.
+    fn for_shape(bits: u32, group: usize, rows: usize, cols: usize, isa: Isa) -> Option<Self> {
         let vnni = vnni_available();
-        let k = match (q.bits, isa) {
+        let k = match (bits, isa) {
             // Whole 16-row bands: the tiled kernel's bits without tiling (records streamed from disk).
-            (4, Isa::Avx512) if vnni && q.rows.is_multiple_of(16) => Self {
+            (4, Isa::Avx512) if vnni && rows.is_multiple_of(16) => Self {
                 band: true,
                 ..Self::new(4, true)
             },
@@ -81,10 +84,10 @@ impl Q8Kernel {
             _ => return None,
         };
         // The band kernel takes a last chunk of 32, 64 or 96 columns; the others want whole chunks.
-        let whole = k.band || q.cols.is_multiple_of(k.chunk());
+        let whole = k.band || cols.is_multiple_of(k.chunk());
         // Each row-major kernel's step holds whole groups or lies inside one, so the group divides 128 (a group
         // of 96 would straddle steps; those matrices run the exact kernels).
-        (matches!(q.group, 32 | 64 | 128) && q.cols.is_multiple_of(q.group) && whole).then_some(k)
+        (matches!(group, 32 | 64 | 128) && cols.is_multiple_of(group) && whole).then_some(k)
     }
 
     fn new(bits: u32, avx512: bool) -> Self {
