@@ -3,8 +3,9 @@
 //! `cargo bench -p sluice-runtime --bench attention` (add `-- --quick` for a shorter run). The shape is
 //! Qwen3-30B-A3B's (32 query heads, 4 key/value heads, 128 dims), with the cache in f32 and in f16 as the cpu
 //! backend keeps it. Decode rows give time per token per layer and the cache bytes read per second; prefill rows
-//! give GFLOP/s of the score and weighted-sum products. A last line times softmax alone (ours against a libm
-//! `exp` loop) on rows as long as the deepest decode's.
+//! give GFLOP/s of the score and weighted-sum products. The last lines time softmax alone (ours against a libm
+//! `exp` loop) on rows as long as the deepest decode's, and swiglu (the same) on a medium decode layer's eight
+//! experts' hidden rows.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -112,6 +113,27 @@ fn main() {
         "softmax of 8192: {:.2} µs ({:.2} ns per element); a libm exp loop {:.2} µs ({:.1}×)",
         ours * 1e6,
         ours * 1e9 / 8192.0,
+        libm * 1e6,
+        libm / ours
+    );
+    let (gate, up) = (fill(8 * 768, 5), fill(8 * 768, 6));
+    let mut g = gate.clone();
+    let ours = time(budget, || {
+        g.copy_from_slice(&gate);
+        isa.swiglu(&mut g, &up);
+        black_box(&g);
+    });
+    let libm = time(budget, || {
+        g.copy_from_slice(&gate);
+        for (g, u) in g.iter_mut().zip(&up) {
+            *g = *g / (1.0 + (-*g).exp()) * u;
+        }
+        black_box(&g);
+    });
+    println!(
+        "swiglu of 8 × 768: {:.2} µs ({:.2} ns per element); a libm exp loop {:.2} µs ({:.1}×)",
+        ours * 1e6,
+        ours * 1e9 / 6144.0,
         libm * 1e6,
         libm / ours
     );

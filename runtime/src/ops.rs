@@ -19,11 +19,9 @@ pub fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
     }
 }
 
-/// `silu(gate) · up`, written into `gate`.
+/// `silu(gate) · up`, written into `gate`: [`Isa::swiglu`], the same bits on every instruction set.
 pub fn swiglu(gate: &mut [f32], up: &[f32]) {
-    for (g, u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
-    }
+    Isa::detect().swiglu(gate, up);
 }
 
 /// Softmax in place (max-subtracted, f32): [`Isa::softmax`], the same bits on every instruction set.

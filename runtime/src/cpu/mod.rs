@@ -207,6 +207,16 @@ impl Isa {
         }
     }
 
+    /// `gate = silu(gate) · up` elementwise, the same bits on every instruction set (softmax's `exp`).
+    #[inline]
+    pub fn swiglu(self, gate: &mut [f32], up: &[f32]) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 | Isa::Avx512 => x86::swiglu_avx2(gate, up),
+            _ => scalar::swiglu(gate, up),
+        }
+    }
+
     /// Softmax of `x` in place, the same bits on every instruction set: one `exp` polynomial (about 1 ulp),
     /// the sum in 16 lanes added in a fixed order, then a division.
     #[inline]

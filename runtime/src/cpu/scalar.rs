@@ -55,6 +55,15 @@ pub(super) fn exp(x: f32) -> f32 {
     p * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
 
+/// `gate = silu(gate) · up` elementwise, with [`exp`]: `g / (1 + exp(−g)) · u`, where `exp` past its range
+/// is +∞ (as libm's: a very negative gate gives −0, not `exp`'s clamped value's tiny quotient).
+pub(super) fn swiglu(gate: &mut [f32], up: &[f32]) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        let e = if -*g > EXP_HI { f32::INFINITY } else { exp(-*g) };
+        *g = *g / (1.0 + e) * u;
+    }
+}
+
 /// Adds softmax's 16 lane sums in a fixed tree: lane `l` takes lane `l + w` for w = 8, 4, 2, 1.
 pub(super) fn reduce_lanes(mut acc: [f32; SUM_LANES]) -> f32 {
     let mut w = SUM_LANES / 2;

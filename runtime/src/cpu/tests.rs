@@ -212,6 +212,28 @@ proptest! {
     }
 
     #[test]
+    fn swiglu_is_the_same_bits_on_every_isa_and_matches_f64(
+        gu in prop::collection::vec((-90f32..90.0, -4f32..4.0), 0..70)
+    ) {
+        let (g, u): (Vec<f32>, Vec<f32>) = gu.into_iter().unzip();
+        let mut want = g.clone();
+        scalar::swiglu(&mut want, &u);
+        for isa in Isa::available() {
+            let mut got = g.clone();
+            isa.swiglu(&mut got, &u);
+            prop_assert_eq!(
+                got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "{:?}, length {}", isa, g.len()
+            );
+        }
+        for ((w, g), u) in want.iter().zip(&g).zip(&u) {
+            let exact = *g as f64 / (1.0 + (-*g as f64).exp()) * *u as f64;
+            prop_assert!((*w as f64 - exact).abs() <= 1e-6 * exact.abs() + 1e-30, "{} vs {}", w, exact);
+        }
+    }
+
+    #[test]
     fn softmax_matches_f64(v in prop::collection::vec(-30f32..30.0, 1..300)) {
         let mut got = v.clone();
         Isa::detect().softmax(&mut got);
@@ -749,6 +771,19 @@ fn exp_edges() {
         assert!(x.iter().all(|v| v.is_nan()), "{isa:?}: NaN must not be hidden");
         let mut empty: Vec<f32> = vec![];
         isa.softmax(&mut empty);
+        // silu as libm's exp gives it: NaN stays NaN, −∞ gives NaN (−∞/∞), very negative gates −0, +∞ stays +∞.
+        let mut g = vec![f32::NAN, f32::NEG_INFINITY, -200.0, f32::INFINITY, 0.0, 1.0];
+        g.extend([-1e30; 11]);
+        isa.swiglu(&mut g, &[1.0; 17]);
+        assert!(
+            g[0].is_nan() && g[1].is_nan() && g[2] == 0.0 && g[3] == f32::INFINITY && g[4] == 0.0,
+            "{isa:?}: {g:?}"
+        );
+        assert!(
+            (g[5] - 1.0 / (1.0 + 1.0 / std::f32::consts::E)).abs() < 1e-7,
+            "{isa:?}: {g:?}"
+        );
+        assert!(g[6..].iter().all(|v| *v == 0.0), "{isa:?}: {g:?}");
     }
 }
 

@@ -1611,6 +1611,29 @@ unsafe fn softmax_avx2_impl(x: &mut [f32]) {
     scalar::divide_all(&mut x[whole..], sum);
 }
 
+/// [`super::scalar::swiglu`] eight lanes at a time, operation for operation (the same bits).
+pub(super) fn swiglu_avx2(gate: &mut [f32], up: &[f32]) {
+    // SAFETY: `Isa::Avx2`/`Isa::Avx512` are only selected after `is_x86_feature_detected!("avx2")` and
+    // `("fma")` returned true; every load and store below is within `i + 8 <= n <= len` of both slices.
+    unsafe { swiglu_avx2_impl(gate, up) }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn swiglu_avx2_impl(gate: &mut [f32], up: &[f32]) {
+    let n = gate.len().min(up.len());
+    let whole = n - n % 8;
+    let (g, u, one) = (gate.as_mut_ptr(), up.as_ptr(), _mm256_set1_ps(1.0));
+    for i in (0..whole).step_by(8) {
+        let x = _mm256_loadu_ps(g.add(i));
+        let neg = _mm256_xor_ps(x, _mm256_set1_ps(-0.0));
+        let past = _mm256_cmp_ps::<_CMP_GT_OQ>(neg, _mm256_set1_ps(super::scalar::EXP_HI));
+        let e = _mm256_blendv_ps(exp_avx2(neg), _mm256_set1_ps(f32::INFINITY), past);
+        let silu = _mm256_div_ps(x, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(g.add(i), _mm256_mul_ps(silu, _mm256_loadu_ps(u.add(i))));
+    }
+    super::scalar::swiglu(&mut gate[whole..n], &up[whole..n]);
+}
+
 /// [`super::scalar::exp`] of eight lanes, operation for operation.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
