@@ -55,8 +55,9 @@ pub(super) fn exp(x: f32) -> f32 {
     p * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
 
-/// `gate = silu(gate) · up` elementwise, with [`exp`]: `g / (1 + exp(−g)) · u`, where `exp` past its range
-/// is +∞ (as libm's: a very negative gate gives −0, not `exp`'s clamped value's tiny quotient).
+/// `gate = silu(gate) · up` elementwise, with [`exp`]: `g / (1 + exp(−g)) · u`, where `−g` past `EXP_HI` (a
+/// little below where libm's `exp` overflows, 88.72) counts as +∞: a very negative gate gives −0 (within ~3e-37
+/// of the exact value), not the tiny quotient of `exp`'s clamped value. Only the first `min(len)` elements.
 pub(super) fn swiglu(gate: &mut [f32], up: &[f32]) {
     for (g, u) in gate.iter_mut().zip(up) {
         let e = if -*g > EXP_HI { f32::INFINITY } else { exp(-*g) };
