@@ -1339,10 +1339,11 @@ unsafe fn hsum_lanes(v: &[__m256; 8]) -> __m256 {
 /// `P` tiles of one panel (each tile's first group and index in `tiles`, a group `stride` bytes from the next,
 /// as in [`q4_tiles`]), eight rows per vector: each 32-bit lane of a tile half's `vpmaddubsw`/`vpmaddwd` sums
 /// one row's four columns of a 32-column block, and the block's four vectors sum in i16 (at most 4 × 7620)
-/// before one `vpmaddwd` widens them into the rows' block sums. The float work then runs lane by lane as the row-major kernel [`q4_maddubs`] runs it for one row:
-/// block `b` multiply-adds into accumulator [`maddubs_lane`]`(b)`, the bias `Σ bias·xsum` into accumulator
-/// `g mod 8`, missing blocks and groups of a last chunk add zero, and both reduce by `hsum256`'s tree. So a
-/// tiled record gives the bits its row-major layout gives, and streamed decode equals resident decode.
+/// before one `vpmaddwd` widens them into the rows' block sums. The float work then runs lane by lane as the
+/// row-major kernel [`q4_maddubs`] runs it for one row: block `b` multiply-adds into accumulator
+/// [`maddubs_lane`]`(b)`, the bias `Σ bias·xsum` into accumulator `g mod 8`, missing blocks and groups of a last
+/// chunk add zero, and both reduce by `hsum256`'s tree. So a tiled record gives the bits its row-major layout
+/// gives, and streamed decode equals resident decode.
 #[inline(always)]
 unsafe fn q4_tiles_avx2<const TY: u8, const T: usize, const P: usize>(
     a: &TiledArgs<'_>,
