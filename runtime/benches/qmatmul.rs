@@ -5,7 +5,7 @@
 //! matrix split across the threads (as attention's projections run) and once with whole matrices per thread
 //! (as a layer's experts run); prefill reuses each unpacked row across tokens, so its figure is GFLOP/s. With
 //! the int8 kernels on a CPU that has a tiled kernel (AVX-512 VNNI or AVX2), a last row measures the same
-//! matrices repacked into tiles.
+//! matrices repacked into tiles. `SLUICE_BENCH_BITS=8` measures 8-bit codes instead of 4-bit ones.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -26,8 +26,13 @@ fn main() {
     // As `sluice` runs a model: this thread is worker 0 of the compute pool, and each measurement is one step
     // with the workers awake (parallel loops go to the step's team).
     let _pool = sluice_runtime::threads::join_compute_pool(None).expect("compute pool");
-    let (rows, cols, bits, group) = (768usize, 2048usize, 4u32, 64usize); // a Qwen3-30B-A3B expert gate/up
-                                                                          // 192 × 0.88 MB exceeds the private caches; SLUICE_BENCH_MATRICES=2 measures cache-resident compute.
+    // A Qwen3-30B-A3B expert gate/up; SLUICE_BENCH_BITS=8 measures 8-bit codes (as routers and 8-bit models have).
+    let bits: u32 = match std::env::var("SLUICE_BENCH_BITS").as_deref() {
+        Ok("8") => 8,
+        _ => 4,
+    };
+    let (rows, cols, group) = (768usize, 2048usize, 64usize);
+    // 192 × 0.88 MB exceeds the private caches; SLUICE_BENCH_MATRICES=2 measures cache-resident compute.
     let count = std::env::var("SLUICE_BENCH_MATRICES")
         .ok()
         .and_then(|v| v.parse().ok())

@@ -162,6 +162,72 @@ fn tiled_matmul_matches_the_int8_oracle() {
     }
 }
 
+/// 8-bit codes at their extremes against activations at theirs, for every scale type: rows of all 255 (a
+/// `vpmaddubsw` pair of them would reach 2·255·127 and saturate i16), all 0, and random ones, against blocks of
+/// one sign at full scale, alternating signs and random values; a batch of five tokens (four per pass, then
+/// one) equals its tokens alone.
+#[test]
+fn eight_bit_codes_at_their_extremes_match_the_int8_oracle() {
+    use half::{bf16, f16};
+    set_q8_activations(true);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(29);
+    for &(group, rows, cols) in &[(32usize, 9usize, 128usize), (64, 6, 256), (128, 5, 384)] {
+        let gpr = cols / group;
+        let codes: Vec<u32> = (0..rows * cols)
+            .map(|i| match (i / cols) % 3 {
+                0 => 255,
+                1 => [0, 255][i % 2],
+                _ => rng.gen_range(0..256),
+            })
+            .collect();
+        let mut round = |lo: f32, hi: f32| bf16::from_f32(rng.gen_range(lo..hi)).to_f32();
+        let scales: Vec<f32> = (0..rows * gpr).map(|_| round(-0.1, 0.1)).collect();
+        let biases: Vec<f32> = (0..rows * gpr).map(|_| round(-1.0, 1.0)).collect();
+        let n = 5;
+        let x: Vec<f32> = (0..n * cols)
+            .map(|i| match (i / BLOCK) % 4 {
+                0 => 2.5,
+                1 => -2.5,
+                2 => [3.0, -3.0][i % 2],
+                _ => rng.gen_range(-3f32..3.0),
+            })
+            .collect();
+        let packed = pack_codes(8, &codes);
+        for ty in [FloatType::F32, FloatType::F16, FloatType::BF16] {
+            let enc = |v: &[f32]| -> Vec<u8> {
+                v.iter()
+                    .flat_map(|&v| match ty {
+                        FloatType::F32 => v.to_le_bytes().to_vec(),
+                        FloatType::F16 => f16::from_f32(v).to_bits().to_le_bytes().to_vec(),
+                        FloatType::BF16 => bf16::from_f32(v).to_bits().to_le_bytes().to_vec(),
+                    })
+                    .collect()
+            };
+            let (sb, bb) = (enc(&scales), enc(&biases));
+            let qm = QuantMatrix {
+                packed: &packed,
+                scales: &sb,
+                biases: &bb,
+                scale_type: ty,
+                bits: 8,
+                group,
+                rows,
+                cols,
+            };
+            let weights = Weights {
+                codes: &codes,
+                scales: &scales,
+                biases: &biases,
+                group,
+                rows,
+                cols,
+            };
+            let label = format!("8-bit extremes {ty:?}");
+            check_matmul(MatRef::Quant(qm), |isa| has_kernel(&qm, isa), &weights, &x, n, &label);
+        }
+    }
+}
+
 /// A matrix's weights in plain numbers, for the oracle.
 struct Weights<'a> {
     codes: &'a [u32],

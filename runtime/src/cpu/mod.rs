@@ -262,8 +262,8 @@ pub fn kernel_summary() -> String {
              (AVX-512 VNNI)"
         }
         Isa::Avx2 | Isa::Avx512 => {
-            "int8 kernels for 4-bit weights: tiled resident matrices, row by row for streamed records in groups \
-             of 32, 64 or 128 (no AVX-512 VNNI; 8-bit weights run the exact kernels)"
+            "int8 kernels for 4- and 8-bit weights in groups of 32, 64 or 128: tiled resident 4-bit matrices, \
+             row by row for streamed records and 8-bit matrices (no AVX-512 VNNI)"
         }
         _ => "no int8 kernels for this instruction set (AVX2 and AVX-512 only so far): --kernels q8 runs the exact kernels",
     };

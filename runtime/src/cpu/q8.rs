@@ -1,6 +1,7 @@
 //! Int8-activation kernels (`--kernels q8`): each token's activations are quantized to int8 in blocks of
 //! 32 (`x ≈ d·xq`, `d = max|x|/127`), so a 4- or 8-bit weight row meets them in integer dot products
-//! (`vpdpbusd` on AVX-512 VNNI, `vpmaddubsw` on AVX2), as llama.cpp does with Q8 activations. Each
+//! (`vpdpbusd` on AVX-512 VNNI; on AVX2 `vpmaddubsw` for 4-bit codes and `vpmaddwd` on codes widened to i16
+//! for 8-bit ones), as llama.cpp does with Q8 activations. Each
 //! 32-column block lies inside one weight group, so
 //! `y = Σ_blocks scale_g·d_b·Σ q·xq + Σ_g bias_g·Σx_g` (the bias term uses the exact float sums).
 //!
@@ -81,6 +82,7 @@ impl Q8Kernel {
             (4, Isa::Avx512) if vnni => Self::new(4, true),
             (4, Isa::Avx2 | Isa::Avx512) => Self::new(4, false),
             (8, Isa::Avx512) if vnni => Self::new(8, true),
+            (8, Isa::Avx2 | Isa::Avx512) => Self::new(8, false),
             _ => return None,
         };
         // The band kernel takes a last chunk of 32, 64 or 96 columns; the others want whole chunks.
@@ -112,21 +114,23 @@ impl Q8Kernel {
 
     /// Columns per kernel step; 4-bit steps keep even elements in the first half of a chunk and odd ones
     /// in the second (a byte's low nibble is the even element). (The AVX2 4-bit kernel sums four such steps
-    /// at a time, its own "chunk" of 256 columns.)
+    /// at a time, its own "chunk" of 256 columns; the AVX2 8-bit kernel steps one block at a time.)
     pub fn chunk(self) -> usize {
         match (self.bits, self.avx512) {
             (4, true) => 128,
             (4, false) => 64,
+            (8, false) => BLOCK,
             _ => 64,
         }
     }
 
     /// Columns each `lane_d` scale covers: an i32 lane of the integer dot, or a whole block for the kernels
-    /// that sum blocks before scaling them (tiled, band, and the AVX2 4-bit one).
+    /// that sum blocks before scaling them (tiled, band, the AVX2 4-bit one) or scale a block's lanes alike
+    /// (the AVX2 8-bit one).
     pub fn lane_cols(self) -> usize {
         match (self.bits, self.avx512) {
             _ if self.tiled || self.band => BLOCK,
-            (4, false) => BLOCK,
+            (4, false) | (8, false) => BLOCK,
             (4, true) => 8,
             _ => 4,
         }

@@ -448,8 +448,9 @@ pub(super) fn q8_rows(
         raw.scales.len() >= a.rows * groups * raw.size && raw.biases.len() >= a.rows * groups * raw.size,
         "group bounds"
     );
-    // The 4-bit kernels take one or four tokens per pass; the 8-bit one one at a time.
-    if a.tokens > 1 && !(k.bits == 4 && a.tokens == 4) {
+    // The 4-bit kernels and the AVX2 8-bit one take one or four tokens per pass; the AVX-512 8-bit one one at a
+    // time.
+    if a.tokens > 1 && !((k.bits == 4 || !k.avx512) && a.tokens == 4) {
         for t in 0..a.tokens {
             let one = Q8RowsArgs {
                 tokens: 1,
@@ -481,6 +482,12 @@ pub(super) fn q8_rows(
             (4, false, F::F32, _) => q4_maddubs_for::<TY_F32>(a, raw, out, ostride),
             (4, false, F::F16, _) => q4_maddubs_for::<TY_F16>(a, raw, out, ostride),
             (4, false, F::BF16, _) => q4_maddubs_for::<TY_BF16>(a, raw, out, ostride),
+            (_, false, F::F32, 4) => q8_madd_avx2::<TY_F32, 1, 4>(a, raw, out, ostride),
+            (_, false, F::F16, 4) => q8_madd_avx2::<TY_F16, 1, 4>(a, raw, out, ostride),
+            (_, false, F::BF16, 4) => q8_madd_avx2::<TY_BF16, 1, 4>(a, raw, out, ostride),
+            (_, false, F::F32, _) => q8_madd_avx2::<TY_F32, 2, 1>(a, raw, out, ostride),
+            (_, false, F::F16, _) => q8_madd_avx2::<TY_F16, 2, 1>(a, raw, out, ostride),
+            (_, false, F::BF16, _) => q8_madd_avx2::<TY_BF16, 2, 1>(a, raw, out, ostride),
             (_, _, F::F32, _) => q8_vnni_raw::<TY_F32>(a, raw, out, ostride),
             (_, _, F::F16, _) => q8_vnni_raw::<TY_F16>(a, raw, out, ostride),
             (_, _, F::BF16, _) => q8_vnni_raw::<TY_BF16>(a, raw, out, ostride),
@@ -632,6 +639,79 @@ unsafe fn q8_vnni_raw<const TY: u8>(a: &Q8RowsArgs<'_>, raw: &RawScales<'_>, out
             size,
         );
         *o = _mm512_reduce_add_ps(acc) + bias;
+    }
+}
+
+/// The AVX2 8-bit kernel (no VNNI), `R` rows and `T` tokens per pass. Codes and activations are widened to
+/// i16, so `vpmaddwd` sums their products exactly in i32 (`vpmaddubsw` on 8-bit codes could saturate: a pair
+/// reaches 2·255·127 > 32767). Per row and token, each 32-column block's eight i32 lanes (four columns each)
+/// multiply-add `scale·d` into one accumulator in block order, reduced by `hsum256` and then `Σ bias·Σx` added:
+/// the same operations whatever `R` and `T` are.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_madd_avx2<const TY: u8, const R: usize, const T: usize>(
+    a: &Q8RowsArgs<'_>,
+    raw: &RawScales<'_>,
+    out: &mut [f32],
+    ostride: usize,
+) {
+    use super::q8::BLOCK;
+    let (cols, groups, size) = (a.cols, a.cols / a.group, raw.size);
+    let (blocks, per_group) = (cols / BLOCK, a.group / BLOCK);
+    let (xq, ld) = (a.xq.as_ptr(), a.lane_d.as_ptr());
+    let mut r = 0;
+    while r < a.rows {
+        let (rs, pp, ahead) = row_block::<R>(a, r);
+        let mut acc = [[_mm256_setzero_ps(); T]; R];
+        for g in 0..groups {
+            let mut s = [0f32; R];
+            for j in 0..R {
+                s[j] = load1::<TY>(raw.scales.as_ptr().add((rs[j] * groups + g) * size));
+            }
+            for b in g * per_group..(g + 1) * per_group {
+                // The pass's rows consume 32·R bytes per block: prefetch as many, in address order.
+                for line in (0..BLOCK * R).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(BLOCK * R * b + line) as *const i8);
+                }
+                let mut x = [[_mm256_setzero_si256(); 2]; T];
+                let mut d = [0f32; T];
+                for t in 0..T {
+                    let p = xq.add(t * cols + BLOCK * b);
+                    x[t][0] = _mm256_cvtepi8_epi16(_mm_loadu_si128(p as *const _));
+                    x[t][1] = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(16) as *const _));
+                    d[t] = *ld.add(t * blocks + b);
+                }
+                for j in 0..R {
+                    let p = pp[j].add(BLOCK * b);
+                    let c0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const _));
+                    let c1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(p.add(16) as *const _));
+                    for t in 0..T {
+                        let i = _mm256_add_epi32(_mm256_madd_epi16(c0, x[t][0]), _mm256_madd_epi16(c1, x[t][1]));
+                        let f = _mm256_set1_ps(s[j] * d[t]);
+                        acc[j][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), f, acc[j][t]);
+                    }
+                }
+            }
+        }
+        let b = raw.biases.as_ptr();
+        for j in 0..R.min(a.rows - r) {
+            for (t, acc) in acc[j].iter().enumerate() {
+                let xsum = a.xsum.as_ptr().add(t * groups);
+                let bias = bias_dot_raw8::<TY>(b.add(rs[j] * groups * size), xsum, groups, size);
+                *out.get_unchecked_mut((r + j) * ostride + t) = hsum256(*acc) + bias;
+            }
+        }
+        r += R;
+    }
+}
+
+/// One value of type `TY` at `p` as f32.
+#[inline(always)]
+unsafe fn load1<const TY: u8>(p: *const u8) -> f32 {
+    let half = || std::ptr::read_unaligned(p as *const u16);
+    match TY {
+        TY_F32 => std::ptr::read_unaligned(p as *const f32),
+        TY_F16 => _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(half())))),
+        _ => f32::from_bits(u32::from(half()) << 16),
     }
 }
 
