@@ -28,6 +28,9 @@ fn matmul_matches_the_int8_oracle_for_every_shape() {
         (8, 64, 33, 256, 1),
         (8, 32, 8, 128, 5),
         (8, 128, 17, 256, 2),
+        // 8-bit rows of whole 32-column blocks but not 64-column steps: the AVX2 8-bit kernel, on every x86 ISA.
+        (8, 32, 7, 96, 5),
+        (8, 32, 3, 32, 4),
         // One-row matrices (Qwen3-Next's shared-expert gate) and few-row ones (linear-attention b/a).
         (8, 64, 1, 128, 1),
         (8, 64, 1, 128, 3),
@@ -163,7 +166,7 @@ fn tiled_matmul_matches_the_int8_oracle() {
 }
 
 /// 8-bit codes at their extremes against activations at theirs, for every scale type: rows of all 255 (a
-/// `vpmaddubsw` pair of them would reach 2·255·127 and saturate i16), all 0, and random ones, against blocks of
+/// `vpmaddubsw` pair of them would reach 2·255·127 and saturate i16), alternating 0 and 255, and random ones, against blocks of
 /// one sign at full scale, alternating signs and random values; a batch of five tokens (four per pass, then
 /// one) equals its tokens alone.
 #[test]

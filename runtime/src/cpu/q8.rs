@@ -81,7 +81,8 @@ impl Q8Kernel {
             },
             (4, Isa::Avx512) if vnni => Self::new(4, true),
             (4, Isa::Avx2 | Isa::Avx512) => Self::new(4, false),
-            (8, Isa::Avx512) if vnni => Self::new(8, true),
+            // The VNNI kernel's steps are 64 columns; the AVX2 one takes rows of whole 32-column blocks.
+            (8, Isa::Avx512) if vnni && cols.is_multiple_of(64) => Self::new(8, true),
             (8, Isa::Avx2 | Isa::Avx512) => Self::new(8, false),
             _ => return None,
         };

@@ -413,9 +413,9 @@ pub(super) struct RawScales<'a> {
 }
 
 /// `out[r·ostride + t] = Σ scale·d·(q·xq) + Σ bias·Σx` for each row `r` and token `t`, with integer dot
-/// products, reading scales and biases from `raw`. The 4-bit kernels take four tokens per pass over the rows
-/// when given four (each code load serves every token); the others run one token at a time. A token's result
-/// is the same either way.
+/// products, reading scales and biases from `raw`. The 4-bit kernels and the AVX2 8-bit one take four tokens
+/// per pass over the rows when given four (each code load serves every token); the AVX-512 8-bit one runs one
+/// token at a time. A token's result is the same either way.
 pub(super) fn q8_rows(
     k: super::q8::Q8Kernel,
     a: &Q8RowsArgs<'_>,
@@ -469,8 +469,10 @@ pub(super) fn q8_rows(
     // (rows·row_bytes, cols·bits/8 per row), activations (tokens·cols), lane scales (tokens·cols/lane_cols),
     // scales and biases (rows·groups values, whole groups per row; AVX-512 loads are masked to the values
     // needed; AVX2 reads a whole four-step chunk's values unaligned, copies a short last chunk's and a row's last
-    // biases into zeroed buffers, and masks a short last chunk's lane scales), and every write (row r, token t
-    // at r·ostride + t). Prefetches past the end never fault.
+    // biases into zeroed buffers, and masks a short last chunk's lane scales; the AVX2 8-bit kernel reads one
+    // scale per group, each 32-column block's codes and activations as two 16-byte halves ending at most at
+    // cols ≤ row_bytes, and one lane scale per block, t·blocks + b < tokens·lanes), and every write (row r, token
+    // t at r·ostride + t). Prefetches past the end never fault.
     unsafe {
         match (k.bits, k.avx512, raw.ty, a.tokens) {
             (4, true, F::F32, 4) => q4_vnni_raw::<TY_F32, 4>(a, raw, out, ostride),
@@ -542,7 +544,7 @@ unsafe fn bias_dot_raw<const TY: u8>(b: *const u8, xsum: *const f32, groups: usi
     _mm512_reduce_add_ps(acc)
 }
 
-/// The block of `ROWS` rows from `r` that the 4-bit int8 kernels take per pass: each row's index (a short last
+/// The block of `ROWS` rows from `r` that an int8 kernel takes per pass: each row's index (a short last
 /// block repeats its final row, computed twice and stored once), its codes, and where the block's prefetch
 /// stream starts. The block's rows are contiguous, so the kernels prefetch the bytes `PREFETCH_AHEAD` past
 /// them in address order, as fast as the rows consume theirs: prefetching each row's own stream instead was
