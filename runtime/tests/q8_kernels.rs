@@ -53,18 +53,6 @@ fn matmul_matches_the_int8_oracle_for_every_shape() {
         let biases: Vec<f32> = (0..rows * gpr).map(|_| rng.gen_range(-1f32..1.0)).collect();
         let x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-3f32..3.0)).collect();
         let packed = pack_codes(bits, &codes);
-        let sb: Vec<u8> = scales.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let bb: Vec<u8> = biases.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let qm = QuantMatrix {
-            packed: &packed,
-            scales: &sb,
-            biases: &bb,
-            scale_type: FloatType::F32,
-            bits,
-            group,
-            rows,
-            cols,
-        };
         let weights = Weights {
             codes: &codes,
             scales: &scales,
@@ -73,14 +61,7 @@ fn matmul_matches_the_int8_oracle_for_every_shape() {
             rows,
             cols,
         };
-        check_matmul(
-            MatRef::Quant(qm),
-            |isa| has_kernel(&qm, isa),
-            &weights,
-            &x,
-            n,
-            &format!("bits {bits}"),
-        );
+        check_stored(&weights, bits, FloatType::F32, &packed, &x, n, &format!("bits {bits}"));
     }
 }
 
@@ -89,7 +70,7 @@ fn matmul_matches_the_int8_oracle_for_every_shape() {
 /// equals its tokens alone, bit for bit, and the tiled matrix dequantizes to the untiled one's weights.
 #[test]
 fn tiled_matmul_matches_the_int8_oracle() {
-    use half::{bf16, f16};
+    use half::bf16;
     use sluice_runtime::cpu::q8::tiled_kernel_on;
     use sluice_runtime::cpu::tiled::tile;
     use sluice_runtime::cpu::TiledMatrix;
@@ -118,16 +99,7 @@ fn tiled_matmul_matches_the_int8_oracle() {
         let x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-3f32..3.0)).collect();
         let packed = pack_codes(4, &codes);
         for ty in [FloatType::F32, FloatType::F16, FloatType::BF16] {
-            let enc = |v: &[f32]| -> Vec<u8> {
-                v.iter()
-                    .flat_map(|&v| match ty {
-                        FloatType::F32 => v.to_le_bytes().to_vec(),
-                        FloatType::F16 => f16::from_f32(v).to_bits().to_le_bytes().to_vec(),
-                        FloatType::BF16 => bf16::from_f32(v).to_bits().to_le_bytes().to_vec(),
-                    })
-                    .collect()
-            };
-            let (sb, bb) = (enc(&scales), enc(&biases));
+            let (sb, bb) = (encode(ty, &scales), encode(ty, &biases));
             let qm = QuantMatrix {
                 packed: &packed,
                 scales: &sb,
@@ -171,7 +143,7 @@ fn tiled_matmul_matches_the_int8_oracle() {
 /// one) equals its tokens alone.
 #[test]
 fn eight_bit_codes_at_their_extremes_match_the_int8_oracle() {
-    use half::{bf16, f16};
+    use half::bf16;
     set_q8_activations(true);
     let mut rng = rand::rngs::StdRng::seed_from_u64(29);
     for &(group, rows, cols) in &[(32usize, 9usize, 128usize), (64, 6, 256), (128, 5, 384)] {
@@ -197,26 +169,6 @@ fn eight_bit_codes_at_their_extremes_match_the_int8_oracle() {
             .collect();
         let packed = pack_codes(8, &codes);
         for ty in [FloatType::F32, FloatType::F16, FloatType::BF16] {
-            let enc = |v: &[f32]| -> Vec<u8> {
-                v.iter()
-                    .flat_map(|&v| match ty {
-                        FloatType::F32 => v.to_le_bytes().to_vec(),
-                        FloatType::F16 => f16::from_f32(v).to_bits().to_le_bytes().to_vec(),
-                        FloatType::BF16 => bf16::from_f32(v).to_bits().to_le_bytes().to_vec(),
-                    })
-                    .collect()
-            };
-            let (sb, bb) = (enc(&scales), enc(&biases));
-            let qm = QuantMatrix {
-                packed: &packed,
-                scales: &sb,
-                biases: &bb,
-                scale_type: ty,
-                bits: 8,
-                group,
-                rows,
-                cols,
-            };
             let weights = Weights {
                 codes: &codes,
                 scales: &scales,
@@ -225,10 +177,37 @@ fn eight_bit_codes_at_their_extremes_match_the_int8_oracle() {
                 rows,
                 cols,
             };
-            let label = format!("8-bit extremes {ty:?}");
-            check_matmul(MatRef::Quant(qm), |isa| has_kernel(&qm, isa), &weights, &x, n, &label);
+            check_stored(&weights, 8, ty, &packed, &x, n, &format!("8-bit extremes {ty:?}"));
         }
     }
+}
+
+/// `v` as stored scales or biases of type `ty`, little-endian.
+fn encode(ty: FloatType, v: &[f32]) -> Vec<u8> {
+    use half::{bf16, f16};
+    v.iter()
+        .flat_map(|&v| match ty {
+            FloatType::F32 => v.to_le_bytes().to_vec(),
+            FloatType::F16 => f16::from_f32(v).to_bits().to_le_bytes().to_vec(),
+            FloatType::BF16 => bf16::from_f32(v).to_bits().to_le_bytes().to_vec(),
+        })
+        .collect()
+}
+
+/// [`check_matmul`] on `w` stored row-major as `packed` codes of `bits` bits, scales and biases of type `ty`.
+fn check_stored(w: &Weights<'_>, bits: u32, ty: FloatType, packed: &[u8], x: &[f32], n: usize, label: &str) {
+    let (sb, bb) = (encode(ty, w.scales), encode(ty, w.biases));
+    let qm = QuantMatrix {
+        packed,
+        scales: &sb,
+        biases: &bb,
+        scale_type: ty,
+        bits,
+        group: w.group,
+        rows: w.rows,
+        cols: w.cols,
+    };
+    check_matmul(MatRef::Quant(qm), |isa| has_kernel(&qm, isa), w, x, n, label);
 }
 
 /// A matrix's weights in plain numbers, for the oracle.

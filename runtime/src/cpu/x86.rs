@@ -694,15 +694,30 @@ unsafe fn q8_madd_avx2<const TY: u8, const R: usize, const T: usize>(
                 }
             }
         }
-        let b = raw.biases.as_ptr();
-        for j in 0..R.min(a.rows - r) {
-            for (t, acc) in acc[j].iter().enumerate() {
-                let xsum = a.xsum.as_ptr().add(t * groups);
-                let bias = bias_dot_raw8::<TY>(b.add(rs[j] * groups * size), xsum, groups, size);
-                *out.get_unchecked_mut((r + j) * ostride + t) = hsum256(*acc) + bias;
-            }
-        }
+        store_rows_avx2::<TY, R, T>(a, raw, r, &rs, &acc, out, ostride);
         r += R;
+    }
+}
+
+/// The AVX2 int8 kernels' results for the pass's rows from `r` (indices `rs`, a repeated last row stored once):
+/// each row's and token's accumulator reduced by `hsum256`, plus `Σ bias·Σx`.
+#[inline(always)]
+unsafe fn store_rows_avx2<const TY: u8, const R: usize, const T: usize>(
+    a: &Q8RowsArgs<'_>,
+    raw: &RawScales<'_>,
+    r: usize,
+    rs: &[usize; R],
+    acc: &[[__m256; T]; R],
+    out: &mut [f32],
+    ostride: usize,
+) {
+    let (groups, size, b) = (a.cols / a.group, raw.size, raw.biases.as_ptr());
+    for j in 0..R.min(a.rows - r) {
+        for (t, acc) in acc[j].iter().enumerate() {
+            let xsum = a.xsum.as_ptr().add(t * groups);
+            let bias = bias_dot_raw8::<TY>(b.add(rs[j] * groups * size), xsum, groups, size);
+            *out.get_unchecked_mut((r + j) * ostride + t) = hsum256(*acc) + bias;
+        }
     }
 }
 
@@ -754,14 +769,7 @@ unsafe fn q4_maddubs<const TY: u8, const G: usize, const R: usize, const T: usiz
             3 => maddubs_chunk::<TY, G, R, T, 3>(a, &rows, size, &mut acc),
             _ => {}
         }
-        let b = raw.biases.as_ptr();
-        for j in 0..R.min(a.rows - r) {
-            for (t, acc) in acc[j].iter().enumerate() {
-                let xsum = a.xsum.as_ptr().add(t * groups);
-                let bias = bias_dot_raw8::<TY>(b.add(rs[j] * groups * size), xsum, groups, size);
-                *out.get_unchecked_mut((r + j) * ostride + t) = hsum256(*acc) + bias;
-            }
-        }
+        store_rows_avx2::<TY, R, T>(a, raw, r, &rs, &acc, out, ostride);
         r += R;
     }
 }
