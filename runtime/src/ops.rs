@@ -10,11 +10,32 @@ use crate::error::{ModelError, Result};
 /// RMSNorm of each `w.len()`-wide row of `x`, in place: `x · rsqrt(mean(x²) + eps) · w`.
 pub fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
     let d = w.len();
-    for row in x.chunks_mut(d) {
-        let ms = row.iter().map(|v| v * v).sum::<f32>() / d as f32;
-        let r = 1.0 / (ms + eps).sqrt();
-        for (v, g) in row.iter_mut().zip(w) {
-            *v = *v * r * g;
+    if d == 0 {
+        return;
+    }
+    // Eight rows at a time (a token's 32 query heads are 32 rows): each row's sum of squares is still one
+    // chain in column order, the bits of a row alone, but eight chains side by side do not each wait on the
+    // last add's latency.
+    for rows in x.chunks_mut(8 * d) {
+        let mut ss = [0f32; 8];
+        if rows.len() == 8 * d {
+            let r: [&[f32]; 8] = std::array::from_fn(|h| &rows[h * d..(h + 1) * d]);
+            #[allow(clippy::needless_range_loop)] // column `i` of eight rows at once
+            for i in 0..d {
+                for h in 0..8 {
+                    ss[h] += r[h][i] * r[h][i];
+                }
+            }
+        } else {
+            for (s, row) in ss.iter_mut().zip(rows.chunks(d)) {
+                *s = row.iter().map(|v| v * v).sum::<f32>();
+            }
+        }
+        for (row, s) in rows.chunks_mut(d).zip(ss) {
+            let r = 1.0 / (s / d as f32 + eps).sqrt();
+            for (v, g) in row.iter_mut().zip(w) {
+                *v = *v * r * g;
+            }
         }
     }
 }
@@ -31,10 +52,24 @@ pub fn softmax(x: &mut [f32]) {
 
 /// Indices of the `k` largest values, largest first (ties: lower index first).
 pub fn top_k(x: &[f32], k: usize) -> Vec<usize> {
-    let mut idx: Vec<usize> = (0..x.len()).collect();
-    idx.sort_by(|&a, &b| x[b].total_cmp(&x[a]).then(a.cmp(&b)));
-    idx.truncate(k);
-    idx
+    let k = k.min(x.len());
+    // One pass, keeping the best `k` in order (a router picks 8 of 64..512: sorting them all cost more than
+    // the pick). A later index ranks after an equal value already kept, so it enters only when strictly
+    // greater than the last kept, and lands after every kept value it does not beat: the order of a full
+    // sort by (value descending, index ascending).
+    let mut best: Vec<usize> = Vec::with_capacity(k + 1);
+    if k == 0 {
+        return best;
+    }
+    for (i, v) in x.iter().enumerate() {
+        if best.len() == k && v.total_cmp(&x[best[k - 1]]).is_le() {
+            continue;
+        }
+        let at = best.partition_point(|&j| x[j].total_cmp(v).is_ge());
+        best.insert(at, i);
+        best.truncate(k);
+    }
+    best
 }
 
 /// Rotary position embedding over the first `dims` of each head.
@@ -47,6 +82,14 @@ pub struct Rope {
     pub(crate) traditional: bool,
     /// YaRN magnitude scale applied to the rotated part.
     pub(crate) mscale: f32,
+    /// Names this frequency table (clones share it) for the angle tables cached per thread.
+    id: u64,
+}
+
+thread_local! {
+    /// The last angle table this thread built: (rope id, position, sines, cosines). Every layer of a decode
+    /// step rotates its queries and keys at the same position, so one table serves all of them.
+    static ANGLES: RefCell<(u64, usize, Vec<f32>, Vec<f32>)> = const { RefCell::new((u64::MAX, 0, Vec::new(), Vec::new())) };
 }
 
 impl Rope {
@@ -95,36 +138,53 @@ impl Rope {
                 )))
             }
         };
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         Ok(Self {
             inv_freq,
             dims,
             traditional,
             mscale,
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
     }
 
     /// Rotates each `head_dim`-wide head in `x` (`[heads, head_dim]` for one token) at position `pos`.
     pub fn apply(&self, x: &mut [f32], head_dim: usize, pos: usize) {
+        ANGLES.with(|cell| {
+            let mut cache = cell.borrow_mut();
+            let (id, at, sin, cos) = &mut *cache;
+            if (*id, *at) != (self.id, pos) {
+                sin.clear();
+                cos.clear();
+                for f in &self.inv_freq {
+                    let (s, c) = (pos as f64 * f).sin_cos();
+                    sin.push(s as f32);
+                    cos.push(c as f32);
+                }
+                (*id, *at) = (self.id, pos);
+            }
+            self.rotate(x, head_dim, sin, cos);
+        })
+    }
+
+    /// [`Rope::apply`] with the position's angles given.
+    fn rotate(&self, x: &mut [f32], head_dim: usize, sin: &[f32], cos: &[f32]) {
         let half = self.dims / 2;
-        // One angle table for every head at this position (computing it per head cost more than the rotation).
-        let angles: Vec<(f32, f32)> = self
-            .inv_freq
-            .iter()
-            .map(|f| {
-                let (s, c) = (pos as f64 * f).sin_cos();
-                (s as f32, c as f32)
-            })
-            .collect();
+        let m = self.mscale;
         for head in x.chunks_mut(head_dim) {
-            for (i, &(s, c)) in angles.iter().enumerate() {
-                let (a, b) = if self.traditional {
-                    (2 * i, 2 * i + 1)
-                } else {
-                    (i, i + half)
-                };
-                let (x0, x1) = (head[a], head[b]);
-                head[a] = (x0 * c - x1 * s) * self.mscale;
-                head[b] = (x0 * s + x1 * c) * self.mscale;
+            if self.traditional {
+                for ((pair, &s), &c) in head[..2 * half].chunks_exact_mut(2).zip(sin).zip(cos) {
+                    let (x0, x1) = (pair[0], pair[1]);
+                    pair[0] = (x0 * c - x1 * s) * m;
+                    pair[1] = (x0 * s + x1 * c) * m;
+                }
+            } else {
+                let (lo, hi) = head[..2 * half].split_at_mut(half);
+                for (((a, b), &s), &c) in lo.iter_mut().zip(hi).zip(sin).zip(cos) {
+                    let (x0, x1) = (*a, *b);
+                    *a = (x0 * c - x1 * s) * m;
+                    *b = (x0 * s + x1 * c) * m;
+                }
             }
         }
     }
@@ -383,5 +443,98 @@ mod tests {
     #[test]
     fn top_k_is_ordered_and_stable() {
         assert_eq!(top_k(&[0.1, 0.5, 0.5, 0.2], 3), vec![1, 2, 3]);
+    }
+
+    #[test]
+    fn rope_angles_cached_per_position_give_the_bits_of_fresh_ones() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let scaling = RopeScaling {
+            rope_type: Some("yarn".into()),
+            factor: Some(4.0),
+            ..Default::default()
+        };
+        let ropes = [
+            Rope::new(16, 1e4, false, None).unwrap(),
+            Rope::new(16, 1e6, true, None).unwrap(),
+            Rope::new(8, 5e5, false, Some(&scaling)).unwrap(),
+        ];
+        let (hd, heads) = (16, 3);
+        let x: Vec<f32> = (0..hd * heads).map(|_| rng.gen_range(-2f32..2.0)).collect();
+        // Positions revisited and ropes interleaved, as layers and sequences do.
+        for (r, pos) in [(0, 5), (0, 5), (1, 5), (0, 7), (2, 7), (0, 5), (2, 0), (1, 9)] {
+            let rope = &ropes[r];
+            let mut got = x.clone();
+            rope.apply(&mut got, hd, pos);
+            // The oracle: every pair rotated by its own angle, as written in the papers.
+            let mut want = x.clone();
+            let half = rope.dims / 2;
+            for head in want.chunks_mut(hd) {
+                for (i, f) in rope.inv_freq.iter().enumerate() {
+                    let (s, c) = (pos as f64 * f).sin_cos();
+                    let (s, c) = (s as f32, c as f32);
+                    let (a, b) = if rope.traditional {
+                        (2 * i, 2 * i + 1)
+                    } else {
+                        (i, i + half)
+                    };
+                    let (x0, x1) = (head[a], head[b]);
+                    head[a] = (x0 * c - x1 * s) * rope.mscale;
+                    head[b] = (x0 * s + x1 * c) * rope.mscale;
+                }
+            }
+            assert_eq!(got, want, "rope {r} at {pos}");
+        }
+    }
+
+    /// A full sort by (value descending, index ascending), truncated: the oracle for [`top_k`].
+    fn top_k_by_sorting(x: &[f32], k: usize) -> Vec<usize> {
+        let mut idx: Vec<usize> = (0..x.len()).collect();
+        idx.sort_by(|&a, &b| x[b].total_cmp(&x[a]).then(a.cmp(&b)));
+        idx.truncate(k);
+        idx
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn top_k_picks_what_a_full_sort_picks(
+            // Few distinct values, so ties are common; NaNs and signed zeros among them.
+            codes in proptest::collection::vec(0u8..12, 0..80),
+            k in 0usize..90,
+        ) {
+            let x: Vec<f32> = codes
+                .iter()
+                .map(|&c| match c {
+                    0 => f32::NAN,
+                    1 => -0.0,
+                    2 => 0.0,
+                    3 => f32::NEG_INFINITY,
+                    c => (c as f32 - 7.0) * 0.25,
+                })
+                .collect();
+            proptest::prop_assert_eq!(top_k(&x, k), top_k_by_sorting(&x, k));
+        }
+
+        #[test]
+        fn rms_norm_of_rows_together_equals_each_row_alone(
+            rows in 1usize..20,
+            d in 1usize..40,
+            seed in 0u64..1000,
+        ) {
+            use rand::{Rng, SeedableRng};
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let x: Vec<f32> = (0..rows * d).map(|_| rng.gen_range(-3f32..3.0)).collect();
+            let w: Vec<f32> = (0..d).map(|_| rng.gen_range(-2f32..2.0)).collect();
+            let mut together = x.clone();
+            rms_norm(&mut together, &w, 1e-6);
+            for (r, row) in x.chunks(d).enumerate() {
+                // The textbook form: one row, its sum of squares in column order.
+                let ms = row.iter().map(|v| v * v).sum::<f32>() / d as f32;
+                let inv = 1.0 / (ms + 1e-6).sqrt();
+                for (c, (v, g)) in row.iter().zip(&w).enumerate() {
+                    proptest::prop_assert_eq!(together[r * d + c].to_bits(), (v * inv * g).to_bits());
+                }
+            }
+        }
     }
 }
