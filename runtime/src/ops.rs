@@ -7,7 +7,8 @@ use crate::cpu::kv::KvHead;
 use crate::cpu::Isa;
 use crate::error::{ModelError, Result};
 
-/// RMSNorm of each `w.len()`-wide row of `x`, in place: `x · rsqrt(mean(x²) + eps) · w`.
+/// RMSNorm of each `w.len()`-wide row of `x`, in place: `x · rsqrt(mean(x²) + eps) · w` (an empty `w` leaves `x`
+/// as it is).
 pub fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
     let d = w.len();
     if d == 0 {
@@ -75,6 +76,7 @@ pub fn top_k(x: &[f32], k: usize) -> Vec<usize> {
 /// Rotary position embedding over the first `dims` of each head.
 #[derive(Debug, Clone)]
 pub struct Rope {
+    /// Angular frequency per rotated pair; never changed after [`Rope::new`] (the per-thread angle tables rely on it).
     pub(crate) inv_freq: Vec<f64>,
     /// Rotated dimensions per head.
     pub(crate) dims: usize,
