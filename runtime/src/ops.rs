@@ -91,7 +91,8 @@ pub struct Rope {
 thread_local! {
     /// The last angle table this thread built: (rope id, position, sines, cosines). Every layer of a decode
     /// step rotates its queries and keys at the same position, so one table serves all of them.
-    static ANGLES: RefCell<(u64, usize, Vec<f32>, Vec<f32>)> = const { RefCell::new((u64::MAX, 0, Vec::new(), Vec::new())) };
+    static ANGLES: RefCell<(u64, usize, Vec<f32>, Vec<f32>)> =
+        const { RefCell::new((u64::MAX, 0, Vec::new(), Vec::new())) };
 }
 
 impl Rope {

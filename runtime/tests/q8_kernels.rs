@@ -138,9 +138,9 @@ fn tiled_matmul_matches_the_int8_oracle() {
 }
 
 /// 8-bit codes at their extremes against activations at theirs, for every scale type: rows of all 255 (a
-/// `vpmaddubsw` pair of them would reach 2·255·127 and saturate i16), alternating 0 and 255, and random ones, against blocks of
-/// one sign at full scale, alternating signs and random values; a batch of five tokens (four per pass, then
-/// one) equals its tokens alone.
+/// `vpmaddubsw` pair of them would reach 2·255·127 and saturate i16), alternating 0 and 255, and random ones,
+/// against blocks of one sign at full scale, alternating signs and random values; a batch of five tokens (four
+/// per pass, then one) equals its tokens alone.
 #[test]
 fn eight_bit_codes_at_their_extremes_match_the_int8_oracle() {
     use half::bf16;
