@@ -626,8 +626,10 @@ impl Inner {
     }
 
     fn worker(&self) {
-        // The record as read, when the table rewrites records (kept between reads: records are megabytes).
-        let mut scratch = Vec::new();
+        // Where a record the table rewrites is read to (page-aligned, as direct reads need; kept between
+        // reads: records are megabytes). The rewrite then goes from here into the slot, one pass, where
+        // reading into the slot would need a copy out of it first.
+        let mut scratch: Option<SlotBuf> = None;
         loop {
             let job = {
                 let mut q = lock(&self.queue);
@@ -723,18 +725,38 @@ impl Inner {
         }
     }
 
-    /// Fills `buf` with record `key` (rewritten by the table's transform through `scratch` when `rewrite`);
-    /// returns the bytes read or a message naming the record and file.
-    fn load(&self, key: Key, buf: &mut Arc<SlotBuf>, scratch: &mut Vec<u8>, rewrite: bool) -> Result<usize, String> {
+    /// Fills `buf` with record `key` (read into `scratch` and rewritten from there by the table's transform
+    /// when `rewrite`); returns the bytes read or a message naming the record and file.
+    fn load(
+        &self,
+        key: Key,
+        buf: &mut Arc<SlotBuf>,
+        scratch: &mut Option<SlotBuf>,
+        rewrite: bool,
+    ) -> Result<usize, String> {
         let (layer, expert) = key;
         let fail = |what: String| format!("expert record layer {layer} expert {expert}: {what}");
         let layout = self.layout(key).map_err(|e| fail(e.to_string()))?;
         let slot = Arc::get_mut(buf).ok_or_else(|| fail("slot still referenced (engine bug)".into()))?;
         let slot = slot.as_mut_slice();
+        let transform = match (rewrite, self.table.transform(), &layout.rewritten) {
+            (true, Some(t), Some(to)) => Some((t, to)),
+            _ => None,
+        };
+        let len = layout.slot_len();
+        if transform.is_some() && scratch.as_ref().is_none_or(|s| s.as_ref().len() < len) {
+            *scratch = SlotBuf::allocate(1, len).and_then(|mut v| v.pop());
+        }
+        // Reads go to the scratch buffer when the record is rewritten into the slot, else to the slot.
+        let (read_to, rewrite_into): (&mut [u8], Option<&mut [u8]>) = match (transform, scratch.as_mut()) {
+            (Some(_), Some(s)) => (s.as_mut_slice(), Some(slot)),
+            (Some(_), None) => return Err(fail(format!("no memory for a {len}-byte buffer to rewrite it from"))),
+            (None, _) => (slot, None),
+        };
         let mut total = 0;
         for r in &layout.reads {
             let file = &self.table.files[r.file];
-            let dst = slot
+            let dst = read_to
                 .get_mut(r.slot_offset..r.slot_offset + r.len)
                 .ok_or_else(|| fail("record larger than its slot".into()))?;
             total += read_full(file.as_ref(), dst, r.offset, r.needed).map_err(|e| {
@@ -747,7 +769,7 @@ impl Inner {
             })?;
         }
         if let (true, Some(want), [r]) = (self.verify, layout.checksum, layout.reads.as_slice()) {
-            let got = xxhash_rust::xxh3::xxh3_64(&slot[r.slot_offset..r.slot_offset + r.len]);
+            let got = xxhash_rust::xxh3::xxh3_64(&read_to[r.slot_offset..r.slot_offset + r.len]);
             if got != want {
                 return Err(fail(format!(
                     "{}: checksum mismatch at offset {} (stored {want:016x}, read {got:016x}); the store is corrupt, \
@@ -757,10 +779,8 @@ impl Inner {
                 )));
             }
         }
-        if let (true, Some(t), Some(to)) = (rewrite, self.table.transform(), &layout.rewritten) {
-            scratch.clear();
-            scratch.extend_from_slice(&slot[..layout.slot_len()]);
-            t.apply(layer, scratch, &layout.parts, slot, to).map_err(fail)?;
+        if let (Some((t, to)), Some(slot)) = (transform, rewrite_into) {
+            t.apply(layer, &read_to[..len], &layout.parts, slot, to).map_err(fail)?;
         }
         Ok(total)
     }

@@ -131,8 +131,9 @@ pub trait RecordTransform: Send + Sync {
     /// Where the parts of `layer`'s records go, given where they are as read (`None`: they stay as read).
     fn parts(&self, layer: usize, read: &[(usize, usize)]) -> Option<Vec<(usize, usize)>>;
 
-    /// Writes one record of `layer` into `slot` at `to`, from `record` (a copy of the slot as read), whose
-    /// parts are at `from`.
+    /// Writes one record of `layer` into `slot` at `to`, from `record` (the record as read, in a buffer of
+    /// its own laid out as the slot would have been), whose parts are at `from`. Slot bytes outside `to` are
+    /// left as they were.
     fn apply(
         &self,
         layer: usize,

@@ -102,6 +102,11 @@ pub(crate) struct RunReport {
     /// Expert bytes read from disk per prompt token during prefill.
     pub(crate) prefill_read_bytes_per_token: f64,
     pub(crate) prefill_hit_rate: f64,
+    /// CPU the I/O threads used loading records during prefill (reads, and rewrites into the kernels'
+    /// tiles), in cores.
+    pub(crate) prefill_read_cpu_cores: f64,
+    /// The same per record read during prefill, milliseconds.
+    pub(crate) prefill_read_cpu_ms_per_record: f64,
     /// Share of prefill time spent waiting for expert reads.
     pub(crate) prefill_io_wait_share: f64,
     /// Where this run's prefill and decode requests sit in the routing trace (when traced).
@@ -598,6 +603,8 @@ pub(crate) fn measure(
         guess_precision_by_rank: m.guess_precision_by_rank(),
         prefill_read_bytes_per_token: p.bytes_read() as f64 / prompt as f64,
         prefill_hit_rate: p.hit_rate(),
+        prefill_read_cpu_cores: p.read_cpu_seconds / prefill.as_secs_f64(),
+        prefill_read_cpu_ms_per_record: p.read_cpu_per_record() * 1e3,
         prefill_io_wait_share: p.io_wait_seconds / prefill.as_secs_f64(),
         trace_ranges: trace.map(|t| [prefill_start..decode_start, decode_start..t.len()]),
         prefill_bound: None,
@@ -825,12 +832,15 @@ fn print_table(r: &Report) {
     for x in &r.runs {
         if x.prefill_read_bytes_per_token > 0.0 {
             println!(
-                "{} prefill reads: {:.1} MB/token, hit {:.1}%, io wait {:.0}% (chunks of {})",
+                "{} prefill reads: {:.1} MB/token, hit {:.1}%, io wait {:.0}% (chunks of {}), I/O threads {:.2} \
+                 cores ({:.2} ms per record read)",
                 x.run,
                 x.prefill_read_bytes_per_token / 1e6,
                 100.0 * x.prefill_hit_rate,
                 100.0 * x.prefill_io_wait_share,
-                r.prefill_chunk
+                r.prefill_chunk,
+                x.prefill_read_cpu_cores,
+                x.prefill_read_cpu_ms_per_record
             );
         }
         for (what, bound) in [("prefill", &x.prefill_bound), ("decode", &x.decode_bound)] {

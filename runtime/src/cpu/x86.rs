@@ -1543,33 +1543,115 @@ unsafe fn q4_tiles_avx2<const TY: u8, const T: usize, const P: usize>(
     }
 }
 
-/// `tiled::tile_block` in SSE2 (part of x86-64): per row, low nibbles of bytes `i` and `8+i` pair into byte `2i`
-/// and high nibbles into `2i+1`; then 4×4 transposes of 32-bit words put word `k` of rows `4j..4j+4` at vector
-/// `k`, lanes `4j..4j+4`.
-pub(super) fn tile_block(src: &[u8; 256], dst: &mut [u8; 256]) {
-    // SAFETY: SSE2 is baseline on x86-64; loads read `src[16l..16l+16]` (l < 16) and stores write
-    // `dst[64k+16j..64k+16j+16]` (k, j < 4), all inside the 256-byte arrays.
+/// Asks for every 64-byte line of `bytes` to be brought into the caches, without waiting for them.
+pub(super) fn prefetch_lines(bytes: &[u8]) {
+    for line in (0..bytes.len()).step_by(64) {
+        // SAFETY: SSE is baseline on x86-64, and a prefetch never faults; the address is inside `bytes`.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().add(line) as *const i8) };
+    }
+}
+
+/// `tiled::tile_blocks`: per row, low nibbles of bytes `i` and `8+i` pair into byte `2i` and high nibbles into
+/// `2i+1`; then 4×4 transposes of 32-bit words put word `k` of rows `4j..4j+4` at vector `k`, lanes
+/// `4j..4j+4`. Loads come straight from the rows (a record being tiled has just landed from disk, and
+/// gathering each block into a buffer first cost as much as the transform). With AVX2, two blocks at a time
+/// (one per 128-bit lane: every step works within lanes) wherever all 16 rows have both.
+pub(super) fn tile_blocks(rows: &[&[u8]; 16], at: usize, dst: &mut [u8]) {
+    let blocks = dst.len() / 256;
+    // Blocks each row has from `at` on; a row without block `b` tiles as zeros there.
+    let avail: [usize; 16] = std::array::from_fn(|l| rows[l].len().saturating_sub(at) / 16);
+    let pairs = match std::arch::is_x86_feature_detected!("avx2") {
+        true => avail.iter().copied().min().unwrap_or(0).min(blocks) / 2,
+        false => 0,
+    };
+    // SAFETY: AVX2 was detected when `pairs > 0`; blocks `< 2 · pairs` are within every row's `avail`, and
+    // `dst` holds `256 · blocks` bytes (see `tile_blocks_pairs` and `tile_block_sse`).
     unsafe {
-        let m = _mm_set1_epi8(0x0f);
-        let mut t = [_mm_setzero_si128(); 16];
-        for (l, t) in t.iter_mut().enumerate() {
-            let v = _mm_loadu_si128(src.as_ptr().add(16 * l) as *const __m128i);
-            let hi = _mm_srli_si128::<8>(v);
-            let even = _mm_or_si128(_mm_and_si128(v, m), _mm_slli_epi16::<4>(_mm_and_si128(hi, m)));
-            let odd = _mm_or_si128(_mm_and_si128(_mm_srli_epi16::<4>(v), m), _mm_andnot_si128(m, hi));
-            *t = _mm_unpacklo_epi8(even, odd);
+        if pairs > 0 {
+            tile_blocks_pairs(rows, at, pairs, dst.as_mut_ptr());
         }
-        for (j, r) in t.chunks_exact(4).enumerate() {
-            let (ab_lo, ab_hi) = (_mm_unpacklo_epi32(r[0], r[1]), _mm_unpackhi_epi32(r[0], r[1]));
-            let (cd_lo, cd_hi) = (_mm_unpacklo_epi32(r[2], r[3]), _mm_unpackhi_epi32(r[2], r[3]));
+        for b in 2 * pairs..blocks {
+            tile_block_sse(rows, at, b, &avail, dst.as_mut_ptr().add(256 * b));
+        }
+    }
+}
+
+/// Row `l`'s 16 code bytes `v` of a block, nibbles paired in tiled order (both lanes of a 256-bit vector
+/// alike with [`pair_nibbles_avx2`]).
+#[inline(always)]
+unsafe fn pair_nibbles(v: __m128i) -> __m128i {
+    let m = _mm_set1_epi8(0x0f);
+    let hi = _mm_srli_si128::<8>(v);
+    let even = _mm_or_si128(_mm_and_si128(v, m), _mm_slli_epi16::<4>(_mm_and_si128(hi, m)));
+    let odd = _mm_or_si128(_mm_and_si128(_mm_srli_epi16::<4>(v), m), _mm_andnot_si128(m, hi));
+    _mm_unpacklo_epi8(even, odd)
+}
+
+/// Block `b` of a tile into `out` (256 bytes) with SSE2 (part of x86-64).
+///
+/// # Safety
+/// `out` must be valid for 256 bytes' writes; `avail[l]` must not exceed the 16-byte blocks `rows[l]` has
+/// from `at` on.
+unsafe fn tile_block_sse(rows: &[&[u8]; 16], at: usize, b: usize, avail: &[usize; 16], out: *mut u8) {
+    // Four rows at a time, so the 16 registers hold them without spilling.
+    for j in 0..4 {
+        let r: [__m128i; 4] = std::array::from_fn(|i| {
+            let l = 4 * j + i;
+            match b < avail[l] {
+                true => pair_nibbles(_mm_loadu_si128(rows[l].as_ptr().add(at + 16 * b) as *const __m128i)),
+                false => _mm_setzero_si128(),
+            }
+        });
+        let (ab_lo, ab_hi) = (_mm_unpacklo_epi32(r[0], r[1]), _mm_unpackhi_epi32(r[0], r[1]));
+        let (cd_lo, cd_hi) = (_mm_unpacklo_epi32(r[2], r[3]), _mm_unpackhi_epi32(r[2], r[3]));
+        let words = [
+            _mm_unpacklo_epi64(ab_lo, cd_lo),
+            _mm_unpackhi_epi64(ab_lo, cd_lo),
+            _mm_unpacklo_epi64(ab_hi, cd_hi),
+            _mm_unpackhi_epi64(ab_hi, cd_hi),
+        ];
+        for (k, w) in words.into_iter().enumerate() {
+            _mm_storeu_si128(out.add(64 * k + 16 * j) as *mut __m128i, w);
+        }
+    }
+}
+
+/// Blocks `0 .. 2 · pairs` of a tile into `out` (256 bytes each), two at a time.
+///
+/// # Safety
+/// AVX2 must be available; every row must have `2 · pairs` 16-byte blocks from `at` on, and `out` must be
+/// valid for `512 · pairs` bytes' writes.
+#[target_feature(enable = "avx2")]
+unsafe fn tile_blocks_pairs(rows: &[&[u8]; 16], at: usize, pairs: usize, out: *mut u8) {
+    let m = _mm256_set1_epi8(0x0f);
+    for p in 0..pairs {
+        let out = out.add(512 * p);
+        for j in 0..4 {
+            let r: [__m256i; 4] = std::array::from_fn(|i| {
+                let v = _mm256_loadu_si256(rows[4 * j + i].as_ptr().add(at + 32 * p) as *const __m256i);
+                let hi = _mm256_srli_si256::<8>(v);
+                let even = _mm256_or_si256(_mm256_and_si256(v, m), _mm256_slli_epi16::<4>(_mm256_and_si256(hi, m)));
+                let odd = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(v), m),
+                    _mm256_andnot_si256(m, hi),
+                );
+                _mm256_unpacklo_epi8(even, odd)
+            });
+            let (ab_lo, ab_hi) = (_mm256_unpacklo_epi32(r[0], r[1]), _mm256_unpackhi_epi32(r[0], r[1]));
+            let (cd_lo, cd_hi) = (_mm256_unpacklo_epi32(r[2], r[3]), _mm256_unpackhi_epi32(r[2], r[3]));
             let words = [
-                _mm_unpacklo_epi64(ab_lo, cd_lo),
-                _mm_unpackhi_epi64(ab_lo, cd_lo),
-                _mm_unpacklo_epi64(ab_hi, cd_hi),
-                _mm_unpackhi_epi64(ab_hi, cd_hi),
+                _mm256_unpacklo_epi64(ab_lo, cd_lo),
+                _mm256_unpackhi_epi64(ab_lo, cd_lo),
+                _mm256_unpacklo_epi64(ab_hi, cd_hi),
+                _mm256_unpackhi_epi64(ab_hi, cd_hi),
             ];
+            // The low lane is block 2p, the high lane block 2p + 1.
             for (k, w) in words.into_iter().enumerate() {
-                _mm_storeu_si128(dst.as_mut_ptr().add(64 * k + 16 * j) as *mut __m128i, w);
+                _mm_storeu_si128(out.add(64 * k + 16 * j) as *mut __m128i, _mm256_castsi256_si128(w));
+                _mm_storeu_si128(
+                    out.add(256 + 64 * k + 16 * j) as *mut __m128i,
+                    _mm256_extracti128_si256::<1>(w),
+                );
             }
         }
     }
