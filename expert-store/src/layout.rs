@@ -124,7 +124,7 @@ impl RecordLayout {
     }
 }
 
-/// Rewrites records in their slots after each read lands and passes its checksum, e.g. into the layout a
+/// Rewrites records into their slots after each read lands and passes its checksum, e.g. into the layout a
 /// compute kernel wants: the engine's I/O threads do it once per read, so the decode step only ever sees the
 /// rewritten layout, and the file keeps the layout every backend reads.
 pub trait RecordTransform: Send + Sync {

@@ -102,7 +102,7 @@ pub fn tile_into(q: &QuantMatrix<'_>, out: &mut [u8]) -> bool {
         let next_codes = next(q.packed, row_bytes);
         prefetch(next(q.scales, groups * size));
         prefetch(next(q.biases, groups * size));
-        let share = next_codes.len().div_ceil(groups).next_multiple_of(64).max(64);
+        let share = next_codes.len().div_ceil(groups.max(1)).next_multiple_of(64).max(64);
         for g in 0..groups {
             prefetch(next_codes.chunks(share).nth(g).unwrap_or_default());
             for (i, t) in panel.clone().enumerate() {
@@ -263,6 +263,21 @@ mod tests {
             tile_blocks_scalar(&rows, at, &mut b);
             assert_eq!(a, b, "seed {seed}");
         }
+    }
+
+    #[test]
+    fn a_matrix_without_columns_tiles_to_nothing() {
+        let q = QuantMatrix {
+            packed: &[],
+            scales: &[],
+            biases: &[],
+            scale_type: FloatType::BF16,
+            bits: 4,
+            group: 64,
+            rows: 70,
+            cols: 0,
+        };
+        assert_eq!(tile(&q), Some(Vec::new()));
     }
 
     #[test]

@@ -1576,8 +1576,8 @@ pub(super) fn tile_blocks(rows: &[&[u8]; 16], at: usize, dst: &mut [u8]) {
     }
 }
 
-/// Row `l`'s 16 code bytes `v` of a block, nibbles paired in tiled order (both lanes of a 256-bit vector
-/// alike with [`pair_nibbles_avx2`]).
+/// Row `l`'s 16 code bytes `v` of a block, nibbles paired in tiled order (`tile_blocks_pairs` does the same
+/// in each 128-bit lane).
 #[inline(always)]
 unsafe fn pair_nibbles(v: __m128i) -> __m128i {
     let m = _mm_set1_epi8(0x0f);
