@@ -94,7 +94,8 @@ else:
 lines = [f"# {preset}: sluice beside llama.cpp ({os.path.basename(out)})", "",
          "| | llama.cpp | sluice | sluice ÷ llama.cpp |", "|---|---|---|---|"]
 lines += [f"| {n} | {a:.2f} | {b:.2f} | {b / a:.2f} |" for n, a, b in rows]
-lines += ["", f"sluice mode {sl['mode']}, disk probe {sl.get('disk_probe_gb_s') or 0:.2f} GB/s, "
+lines += ["", f"sluice mode {sl['mode']}, disk probe {sl.get('disk_probe_gb_s') or 0:.2f} GB/s "
+          f"(re-read {sl.get('disk_reread_gb_s') or 0:.2f}), "
           f"DRAM probe {sl.get('dram_probe_gb_s') or 0:.1f} GB/s, fresh memory {sl.get('fresh_memory_gb_s') or 0:.2f} GB/s"]
 w, dram = sl.get("weight_bytes_per_token"), sl.get("dram_probe_gb_s")
 if w and dram and preset == "medium":
@@ -113,7 +114,8 @@ if ram:
 sources = [("", sl)]
 if preset == "large" and os.path.exists(f"{out}/sluice-store.json"):
     sources.append((" (packed store)", st))
-    lines.append(f"packed store: disk probe {st.get('disk_probe_gb_s') or 0:.2f} GB/s, "
+    lines.append(f"packed store: disk probe {st.get('disk_probe_gb_s') or 0:.2f} GB/s "
+                 f"(re-read {st.get('disk_reread_gb_s') or 0:.2f}), "
                  f"DRAM probe {st.get('dram_probe_gb_s') or 0:.1f} GB/s")
 for label, run in [(label, r) for label, src in sources for r in src["runs"]]:
     name = run["run"] + label

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Barrier, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -171,7 +171,10 @@ pub(crate) struct Report {
     pub(crate) load_seconds: f64,
     /// Seconds the runs then waited for the expert slots to be backed with memory (`None`: no slots).
     pub(crate) slots_backed_seconds: Option<f64>,
+    /// Random reads of one record at fresh offsets, GB/s: the disk limit the bounds use.
     pub(crate) disk_probe_gb_s: Option<f64>,
+    /// The same offsets read again right after, GB/s (faster: a cache below the OS served them).
+    pub(crate) disk_reread_gb_s: Option<f64>,
     /// The faster of the two patterns below: the machine's DRAM limit.
     pub(crate) dram_probe_gb_s: Option<f64>,
     /// DRAM probe, one sequential stream per thread.
@@ -351,11 +354,12 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         runs.push(measure(m, "warm", second, a.prompt_tokens, chunk, top_k, trace)?);
     }
     let probe = Duration::from_secs_f64(a.probe_seconds.max(0.0));
-    let disk_probe_gb_s = if probe.is_zero() {
+    let disk = if probe.is_zero() {
         None
     } else {
         Some(disk_probe(&a.model, record_bytes, opts.io_depth, probe)?)
     };
+    let disk_probe_gb_s = disk.map(|d| d.fresh);
     let dram = (!probe.is_zero()).then(|| sluice_runtime::cpu::dram_read_probe(512 << 20, probe));
     let fresh_memory_gb_s = (!probe.is_zero()).then(fresh_memory_probe).flatten();
     let slots = p.model.expert_slots();
@@ -440,6 +444,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         load_seconds,
         slots_backed_seconds,
         disk_probe_gb_s,
+        disk_reread_gb_s: disk.and_then(|d| d.reread),
         dram_probe_gb_s: dram.map(|d| d.best()),
         dram_one_stream_gb_s: dram.map(|d| d.one_stream),
         dram_four_streams_gb_s: dram.map(|d| d.four_streams),
@@ -631,18 +636,34 @@ fn time_split(m: &DecoderModel, before: &[(Part, f64)], io_wait: f64, secs: f64)
 }
 
 /// Random reads of `record` bytes at `depth` over the expert data, bypassing the page cache when the
-/// filesystem allows O_DIRECT; returns GB/s.
-fn disk_probe(path: &Path, record: u64, depth: usize, time: Duration) -> Result<f64> {
+/// filesystem allows O_DIRECT: GB/s at fresh offsets, then re-reading them.
+fn disk_probe(path: &Path, record: u64, depth: usize, time: Duration) -> Result<DiskProbe> {
     let file = if expert_store::is_store(path) {
         expert_store::PackedStore::open(path)?.data_path()
     } else {
         largest_safetensors(path)?
     };
-    disk_probe_file(&file, record, depth, time)
+    disk_probe_file(&file, record, depth, time, true)
 }
 
-/// [`disk_probe`] over one file.
-pub(crate) fn disk_probe_file(file: &Path, record: u64, depth: usize, time: Duration) -> Result<f64> {
+/// What [`disk_probe_file`] measured, GB/s.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DiskProbe {
+    /// Reads at offsets drawn afresh for this probe: what a record the OS has not cached costs.
+    pub(crate) fresh: f64,
+    /// The same offsets read again (when asked): faster than `fresh` when a cache below the OS (a VM
+    /// host's) holds what was read recently.
+    pub(crate) reread: Option<f64>,
+}
+
+/// [`disk_probe`] over one file, `time` for the fresh reads and as long again for the re-reads when `reread`.
+pub(crate) fn disk_probe_file(
+    file: &Path,
+    record: u64,
+    depth: usize,
+    time: Duration,
+    reread: bool,
+) -> Result<DiskProbe> {
     let file = file.to_path_buf();
     let len = std::fs::metadata(&file)?.len();
     let size = record.max(DIRECT_ALIGN).next_multiple_of(DIRECT_ALIGN);
@@ -659,30 +680,51 @@ pub(crate) fn disk_probe_file(file: &Path, record: u64, depth: usize, time: Dura
         }
     };
     let slots = (len - size) / DIRECT_ALIGN;
-    let bytes = AtomicU64::new(0);
-    let deadline = Instant::now() + time;
+    // Offsets differ from run to run: with a fixed seed every probe read the same places, which a cache below
+    // the OS (a VM host's) may hold from the last run (README, "`sluice bench`").
+    let seed: u64 = rand::random();
+    let (fresh, rereads) = (AtomicU64::new(0), AtomicU64::new(0));
+    // Every thread's fresh reads end before any re-read starts; the last to arrive notes the time.
+    let between = Barrier::new(depth);
+    let mid = OnceLock::new();
     let t0 = Instant::now();
     std::thread::scope(|s| {
         for i in 0..depth {
-            let (f, bytes) = (&f, &bytes);
+            let (f, fresh, rereads, between, mid) = (&f, &fresh, &rereads, &between, &mid);
             s.spawn(move || {
-                // An engine slot: page-aligned, as O_DIRECT needs.
-                let Some(mut slot) = SlotBuf::allocate(1, size as usize) else {
-                    return;
-                };
-                let buf = slot[0].as_mut_slice();
-                let mut rng = rand::rngs::StdRng::seed_from_u64(0x5eed + i as u64);
-                while Instant::now() < deadline {
+                // An engine slot: page-aligned, as O_DIRECT needs (none: this thread reads nothing).
+                let mut slot = SlotBuf::allocate(1, size as usize);
+                let mut buf = slot.as_mut().map(|s| &mut s[0].as_mut_slice()[..size as usize]);
+                let mut rng = rand::rngs::StdRng::seed_from_u64(seed.wrapping_add(i as u64));
+                let mut read = Vec::new();
+                while let Some(buf) = buf.as_deref_mut().filter(|_| t0.elapsed() < time) {
                     let off = rng.gen_range(0..=slots) * DIRECT_ALIGN;
-                    match expert_store::read_full(f.as_ref(), &mut buf[..size as usize], off, 0) {
-                        Ok(n) => bytes.fetch_add(n as u64, Ordering::Relaxed),
-                        Err(_) => break,
+                    let Ok(n) = expert_store::read_full(f.as_ref(), buf, off, 0) else {
+                        break;
                     };
+                    fresh.fetch_add(n as u64, Ordering::Relaxed);
+                    read.push(off);
+                }
+                if between.wait().is_leader() {
+                    let _ = mid.set(Instant::now());
+                }
+                let Some(buf) = buf.filter(|_| reread) else { return };
+                let end = Instant::now() + time;
+                for &off in read.iter().cycle().take_while(|_| Instant::now() < end) {
+                    let Ok(n) = expert_store::read_full(f.as_ref(), buf, off, 0) else {
+                        break;
+                    };
+                    rereads.fetch_add(n as u64, Ordering::Relaxed);
                 }
             });
         }
     });
-    Ok(bytes.load(Ordering::Relaxed) as f64 / t0.elapsed().as_secs_f64() / 1e9)
+    let mid = mid.get().copied().unwrap_or_else(Instant::now);
+    let gb_s = |bytes: &AtomicU64, secs: f64| bytes.load(Ordering::Relaxed) as f64 / secs.max(1e-9) / 1e9;
+    Ok(DiskProbe {
+        fresh: gb_s(&fresh, (mid - t0).as_secs_f64()),
+        reread: reread.then(|| gb_s(&rereads, mid.elapsed().as_secs_f64())),
+    })
 }
 
 fn largest_safetensors(dir: &Path) -> Result<PathBuf> {
@@ -728,8 +770,10 @@ fn print_table(r: &Report) {
     }
     if let Some(d) = r.disk_probe_gb_s {
         println!(
-            "disk probe: {d:.2} GB/s random reads of one record at depth {}",
-            r.io_depth
+            "disk probe: {d:.2} GB/s random reads of one record at depth {}, offsets new to this probe{}",
+            r.io_depth,
+            r.disk_reread_gb_s
+                .map_or(String::new(), |re| format!(" (the same offsets re-read: {re:.2} GB/s)"))
         );
         if !r.packed_store && r.mode == "stream" {
             println!("hint: {PACKED_STORE_HINT}");
@@ -871,5 +915,34 @@ fn print_table(r: &Report) {
                 100.0 * w.read_gb_s / disk
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file_of(len: usize) -> tempfile::NamedTempFile {
+        let mut f = tempfile::NamedTempFile::new().expect("temp file");
+        std::io::Write::write_all(&mut f, &vec![7u8; len]).expect("write");
+        f
+    }
+
+    #[test]
+    fn the_disk_probe_measures_fresh_reads_and_rereads_when_asked() {
+        let f = file_of(8 << 20);
+        let time = Duration::from_millis(150);
+        let both = disk_probe_file(f.path(), 1 << 20, 2, time, true).expect("probe");
+        assert!(both.fresh > 0.0, "{both:?}");
+        assert!(both.reread.is_some_and(|r| r > 0.0), "{both:?}");
+        let fresh_only = disk_probe_file(f.path(), 1 << 20, 2, time, false).expect("probe");
+        assert!(fresh_only.fresh > 0.0 && fresh_only.reread.is_none(), "{fresh_only:?}");
+    }
+
+    #[test]
+    fn the_disk_probe_refuses_a_file_smaller_than_a_record() {
+        let f = file_of(4096);
+        let err = disk_probe_file(f.path(), 1 << 20, 1, Duration::from_millis(10), true).unwrap_err();
+        assert!(err.to_string().contains("smaller than one record"), "{err}");
     }
 }

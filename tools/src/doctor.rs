@@ -195,7 +195,12 @@ fn probe_disk(dir: &Path, size: u64, record: u64, depth: usize, time: Duration) 
     let each = time / depths.len() as u32;
     depths
         .into_iter()
-        .map(|d| Ok((d, crate::bench::disk_probe_file(file.path(), record, d, each)?)))
+        .map(|d| {
+            Ok((
+                d,
+                crate::bench::disk_probe_file(file.path(), record, d, each, false)?.fresh,
+            ))
+        })
         .collect()
 }
 

@@ -163,7 +163,7 @@ fn tile_blocks(rows: &[&[u8]; TILE_ROWS], at: usize, dst: &mut [u8]) {
 }
 
 /// [`tile_blocks`] through a gathered block at a time.
-#[cfg_attr(target_arch = "x86_64", allow(dead_code))] // the x86-64 build's oracle for its SSE2 version
+#[cfg_attr(target_arch = "x86_64", allow(dead_code))] // the x86-64 build's oracle for its SSE2 and AVX2 paths
 fn tile_blocks_scalar(rows: &[&[u8]; TILE_ROWS], at: usize, dst: &mut [u8]) {
     for (b, block) in dst.chunks_exact_mut(BLOCK_BYTES).enumerate() {
         let mut src = [0u8; BLOCK_BYTES];
