@@ -267,6 +267,11 @@ impl RecordTable {
         v
     }
 
+    /// The most reads any one record takes (1 for a packed store, one per part in place).
+    pub fn max_reads_per_record(&self) -> usize {
+        self.layers.values().flatten().map(|l| l.reads.len()).max().unwrap_or(0)
+    }
+
     /// The largest slot any record needs.
     pub fn max_slot_len(&self) -> usize {
         self.layers

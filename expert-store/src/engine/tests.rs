@@ -985,3 +985,69 @@ fn a_panic_while_loading_fails_that_record_and_the_io_threads_keep_serving() {
         "a panicked load leaked its slot"
     );
 }
+
+/// [`table`] with each record read in place as three reads (as a checkpoint's tensors are), listed out of slot
+/// order; expert `broken`'s middle read points past the end of the file.
+fn three_read_table(broken: usize) -> (RecordTable, Arc<MemFile>) {
+    let (packed, file) = table();
+    let end = file.data.len() as u64;
+    let cuts = [0, SPLIT, 2500, REC];
+    let layouts = (0..EXPERTS)
+        .map(|e| {
+            let mut reads: Vec<ReadOp> = (cuts.windows(2).rev())
+                .map(|w| ReadOp {
+                    file: 0,
+                    offset: offset_of(e) + w[0] as u64,
+                    len: w[1] - w[0],
+                    slot_offset: w[0],
+                    needed: w[1] - w[0],
+                })
+                .collect();
+            if e == broken {
+                reads[1].offset = end + 4096;
+            }
+            RecordLayout {
+                reads,
+                parts: vec![(0, SPLIT), (SPLIT, REC - SPLIT)],
+                checksum: None,
+                rewritten: None,
+            }
+        })
+        .collect();
+    (
+        RecordTable::new(packed.files.clone(), HashMap::from([(LAYER, layouts)])),
+        file,
+    )
+}
+
+#[test]
+fn a_records_reads_run_side_by_side_into_their_places() {
+    let (t, file) = three_read_table(usize::MAX);
+    let src = StreamingSource::new(t, &options(4 * SLOT, 2)).unwrap();
+    file.close();
+    std::thread::scope(|s| {
+        let fetch = s.spawn(|| read(&src, 2));
+        // One record, so one I/O thread: its three reads can only all start at once if they run side by side.
+        file.wait_started(3);
+        file.open();
+        fetch.join().unwrap();
+    });
+    let mut started = file.reads();
+    started.sort_unstable();
+    assert_eq!(started, [0, SPLIT as u64, 2500].map(|o| offset_of(2) + o));
+    for e in 0..EXPERTS {
+        read(&src, e);
+    }
+}
+
+#[test]
+fn a_failed_read_among_several_fails_its_record_clearly_and_no_other() {
+    let (t, _file) = three_read_table(5);
+    let src = StreamingSource::new(t, &options(4 * SLOT, 2)).unwrap();
+    let err = src.read_expert(LAYER, 5).unwrap_err().to_string();
+    assert!(err.contains("layer 3 expert 5") && err.contains("short read"), "{err}");
+    for e in [4, 6, 0] {
+        read(&src, e);
+    }
+    assert_eq!(counters(&src).read_errors, 1);
+}
