@@ -55,7 +55,8 @@ pub const DEFAULT_GUESS_DEPTH: usize = 2;
 pub struct EngineOptions {
     /// Hard budget for record slots in bytes (rounded down to whole slots, at least one).
     pub cache_bytes: u64,
-    /// I/O threads, i.e. reads in flight at once.
+    /// I/O threads, i.e. records read at once (a record of several reads runs them side by side on
+    /// `2 * io_depth` part-read threads).
     pub io_depth: usize,
     /// Guesses (prefetches) read at once after a decode step's fetch (0 acts as 1, more than `io_depth` as
     /// `io_depth`). The rest wait in the queue, where their layer's fetch can still cancel them and a newer

@@ -21,7 +21,8 @@ pub struct EngineArgs {
     /// are counted; `-v` prints that plan).
     #[arg(long, value_parser = sluice_runtime::parse_size, env = "SLUICE_EXPERT_CACHE")]
     pub expert_cache: Option<u64>,
-    /// Expert reads in flight at once (I/O threads).
+    /// Expert records read at once (I/O threads); a record read in place from a checkpoint reads its tensors
+    /// side by side on twice as many part-read threads.
     #[arg(long, default_value_t = 8, env = "SLUICE_IO_DEPTH")]
     pub io_depth: usize,
     /// Guessed (prefetched) expert reads in flight at once after a decode step's fetch (more than --io-depth
