@@ -67,7 +67,7 @@ pub struct ExpertOptions {
     pub mode: ExpertMode,
     /// Slot cache budget in bytes when streaming (`None`: the [`MemoryPlan`](crate::memory_plan::MemoryPlan)'s default).
     pub cache_bytes: Option<u64>,
-    /// Reads in flight at once.
+    /// Records read at once (I/O threads).
     pub io_depth: usize,
     /// Guessed (prefetched) reads in flight at once, at most `io_depth` (see
     /// [`expert_store::EngineOptions::guess_depth`]).
