@@ -798,8 +798,7 @@ impl Inner {
         }
         let total = match &self.part_readers {
             Some(pool) if reads.len() > 1 => {
-                let mut done: Vec<Result<usize, String>> = Vec::new();
-                done.resize_with(reads.len(), || Ok(0));
+                let mut done: Vec<Result<usize, String>> = vec![Ok(0); reads.len()];
                 // In place: the I/O thread itself waits, so no pool thread holds one record open while it runs another.
                 pool.in_place_scope(|s| {
                     for ((r, dst), out) in reads.into_iter().zip(done.iter_mut()) {

@@ -652,8 +652,8 @@ fn disk_probe(path: &Path, record: u64, depth: usize, time: Duration) -> Result<
 pub(crate) struct DiskProbe {
     /// Reads at offsets drawn afresh for this probe: what a record the OS has not cached costs.
     pub(crate) fresh: f64,
-    /// The same offsets read again (when asked, and reads bypass the OS's cache): faster than `fresh` when a cache below the OS (a VM
-    /// host's) holds what was read recently.
+    /// The same offsets read again (when asked, and reads bypass the OS's cache): faster than `fresh` when a
+    /// cache below the OS (a VM host's) holds what was read recently.
     pub(crate) reread: Option<f64>,
 }
 
