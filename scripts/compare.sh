@@ -10,10 +10,15 @@
 #   compare.sh large    : 51.7 B (48 layers, 224 experts top-8), 29 GB: bigger than a 24 GB machine's RAM
 # Needs a release build of sluice (SLUICE=path, default target/release/sluice), root (drops the page cache) and
 # the peers kit (PEERS=dir with setup.sh and make_medium_model.py, default ../shared/peers beside the repo).
+# LLAMA_BIN=dir runs llama.cpp from another build of the same source: on some Sapphire Rapids VMs the kit's
+# native build segfaults in ggml's AMX matmul (llama.cpp issue 20824), and a build with AMX off is the one
+# that runs there (README, "Performance").
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 PEERS=${PEERS:-$HERE/../../shared/peers}
+OWN_LLAMA_BIN=${LLAMA_BIN:-}
 source "$PEERS/setup.sh"
+LLAMA_BIN=${OWN_LLAMA_BIN:-$LLAMA_BIN}
 PRESET=${1:?usage: compare.sh medium|large}
 SLUICE=${SLUICE:-target/release/sluice}
 [ -x "$SLUICE" ] || { echo "no sluice binary at $SLUICE (cargo build --release, or set SLUICE)"; exit 1; }

@@ -257,6 +257,10 @@ pub fn pack_codes(bits: u32, codes: &[u32]) -> Vec<u8> {
 pub fn kernel_summary() -> String {
     let isa = Isa::detect();
     let int8 = match isa {
+        Isa::Avx512 if q8::vnni_available() && decode_prefetch() => {
+            "int8 kernels for 4- and 8-bit weights, tiled resident matrices (decode prefetches the next group), \
+             band kernel for streamed records (AVX-512 VNNI)"
+        }
         Isa::Avx512 if q8::vnni_available() => {
             "int8 kernels for 4- and 8-bit weights, tiled resident matrices, band kernel for streamed records \
              (AVX-512 VNNI)"
@@ -268,6 +272,35 @@ pub fn kernel_summary() -> String {
         _ => "no int8 kernels for this instruction set (AVX2 and AVX-512 only so far): --kernels q8 runs the exact kernels",
     };
     format!("{}: {int8}", format!("{isa:?}").to_ascii_lowercase())
+}
+
+/// Whether the tiled 4-bit kernels prefetch the next group in decode (one token) too, as they do for prompts:
+/// on Intel cores, where a core's one stream leaves DRAM partly idle (see [`DramProbe::four_streams`]), they do
+/// (medium decode +26% with the AVX-512 kernel on the Sapphire Rapids host, +3% with the AVX2 one there); on AMD
+/// ones it halved the hardware prefetcher's rate (one thread from DRAM 25–28 → 19–21 GB/s), so they do not.
+/// `SLUICE_DECODE_PREFETCH=1|0` overrides; results are the same bits either way.
+pub fn decode_prefetch() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        let intel = x86::intel_cpu();
+        #[cfg(not(target_arch = "x86_64"))]
+        let intel = false;
+        decode_prefetch_rule(intel, std::env::var("SLUICE_DECODE_PREFETCH").ok().as_deref())
+    })
+}
+
+/// [`decode_prefetch`] for a CPU that is Intel's or not and the override's value, if set.
+fn decode_prefetch_rule(intel: bool, set: Option<&str>) -> bool {
+    match set.map(str::trim) {
+        Some("1" | "on" | "true") => true,
+        Some("0" | "off" | "false") => false,
+        Some(other) => {
+            tracing::warn!("SLUICE_DECODE_PREFETCH={other} is not 0 or 1; using the CPU's default");
+            intel
+        }
+        None => intel,
+    }
 }
 
 /// This machine's DRAM read bandwidth in GB/s, two ways: the best of [`DramProbe::one_stream`] and

@@ -842,3 +842,29 @@ fn dram_probe_patterns_read_the_same_words() {
     let p = dram_read_probe(1 << 20, std::time::Duration::ZERO);
     assert!(p.one_stream > 0.0 && p.four_streams > 0.0 && p.best() == p.one_stream.max(p.four_streams));
 }
+
+#[test]
+fn decode_prefetch_follows_the_vendor_unless_overridden() {
+    assert!(decode_prefetch_rule(true, None));
+    assert!(!decode_prefetch_rule(false, None));
+    assert!(decode_prefetch_rule(false, Some("1")));
+    assert!(!decode_prefetch_rule(true, Some(" 0 ")));
+    assert!(
+        decode_prefetch_rule(true, Some("maybe")),
+        "an unreadable value keeps the vendor's default"
+    );
+    assert!(!decode_prefetch_rule(false, Some("maybe")));
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+#[test]
+fn the_vendor_check_reads_cpuid_as_proc_cpuinfo_does() {
+    // Test-only: the kernels never read /proc; here it is the independent oracle for the cpuid decoding.
+    let info = std::fs::read_to_string("/proc/cpuinfo").expect("/proc/cpuinfo");
+    let vendor = info
+        .lines()
+        .find_map(|l| l.strip_prefix("vendor_id"))
+        .expect("a vendor_id line");
+    let vendor = vendor.trim_start_matches([' ', '\t', ':']).trim();
+    assert_eq!(x86::intel_cpu(), vendor == "GenuineIntel", "vendor_id {vendor}");
+}

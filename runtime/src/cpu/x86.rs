@@ -1262,24 +1262,32 @@ pub(super) fn q4_tiled_rows(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) 
     }
 }
 
+/// Whether this CPU's vendor string (`cpuid` leaf 0) is Intel's.
+pub(super) fn intel_cpu() -> bool {
+    let r = __cpuid(0);
+    // The vendor string is EBX, EDX, ECX: "Genu" "ineI" "ntel".
+    [r.ebx, r.edx, r.ecx] == [0x756e_6547, 0x4965_6e69, 0x6c65_746e]
+}
+
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn q4_tiled<const TY: u8, const T: usize, const P: usize>(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) {
     let gb = super::tiled::group_bytes(a.group, a.ty);
+    let prefetch = T > 1 || super::decode_prefetch();
     for (at, stride, panel, tile) in panels(a) {
         // One panel: its tiles P at a time, then the rest two, then one (P = 4 leaves up to three in the last
         // panel).
         let base = a.data.as_ptr().add(at);
         let mut j = 0;
         while j + P <= panel {
-            q4_tiles::<TY, T, P>(a, out, ostride, base.add(j * gb), stride, tile + j);
+            q4_tiles::<TY, T, P>(a, out, ostride, base.add(j * gb), stride, tile + j, prefetch);
             j += P;
         }
         if P > 2 && j + 2 <= panel {
-            q4_tiles::<TY, T, 2>(a, out, ostride, base.add(j * gb), stride, tile + j);
+            q4_tiles::<TY, T, 2>(a, out, ostride, base.add(j * gb), stride, tile + j, prefetch);
             j += 2;
         }
         while j < panel {
-            q4_tiles::<TY, T, 1>(a, out, ostride, base.add(j * gb), stride, tile + j);
+            q4_tiles::<TY, T, 1>(a, out, ostride, base.add(j * gb), stride, tile + j, prefetch);
             j += 1;
         }
     }
@@ -1289,9 +1297,11 @@ unsafe fn q4_tiled<const TY: u8, const T: usize, const P: usize>(a: &TiledArgs<'
 /// `base + p·gb + g·stride`). Within a group the tiles are read one after another, each whole, so the reads
 /// walk the panel in address order: the hardware prefetcher then streams it at the core's full DRAM rate
 /// (one thread from DRAM, `qmatmul`: 25–28 GB/s, against 9–14 when each block visited all P tiles in turn,
-/// jumping 576 bytes back and forth). Each tile's sums run in the same order whatever P is, so the bits do not
+/// jumping 576 bytes back and forth). With `prefetch` the next group is also prefetched here (see
+/// [`super::decode_prefetch`]). Each tile's sums run in the same order whatever P is, so the bits do not
 /// depend on it.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 unsafe fn q4_tiles<const TY: u8, const T: usize, const P: usize>(
     a: &TiledArgs<'_>,
     out: &mut [f32],
@@ -1299,6 +1309,7 @@ unsafe fn q4_tiles<const TY: u8, const T: usize, const P: usize>(
     base: *const u8,
     stride: usize,
     first: usize,
+    prefetch: bool,
 ) {
     use super::tiled::{group_bytes, TILE_ROWS};
     let size = a.ty.size();
@@ -1310,12 +1321,11 @@ unsafe fn q4_tiles<const TY: u8, const T: usize, const P: usize>(
     let mut acc = [[_mm512_setzero_ps(); T]; P];
     let mut bacc = [[_mm512_setzero_ps(); T]; P];
     for g in 0..groups {
-        // Prompts (T > 1, one tile, compute-bound): the next group, one cache line at a time (prefill +17% over
-        // none on medium on the Sapphire Rapids host, 4–25% on the AMD EPYC one). Decode (T = 1) reads the panel
-        // in address order and the hardware prefetcher does better alone: software prefetches there cut one
-        // thread from DRAM from 25–28 to 19–21 GB/s. After the last group this is the next panel's first, or
-        // past the matrix: `wrapping_add`, and a prefetch never faults.
-        if T > 1 {
+        // The next group, one cache line at a time. Prompts (T > 1, one tile, compute-bound) always do it
+        // (prefill +17% over none on medium on the Sapphire Rapids host, 4–25% on the AMD EPYC one); decode
+        // (T = 1) only where it helps the hardware prefetcher (`prefetch`, by CPU vendor). After the last group
+        // this is the next panel's first, or past the matrix: `wrapping_add`, and a prefetch never faults.
+        if prefetch {
             for base in bases {
                 let next = base.wrapping_add((g + 1) * stride);
                 for line in (0..gb).step_by(64) {
@@ -1376,17 +1386,18 @@ unsafe fn q4_tiles<const TY: u8, const T: usize, const P: usize>(
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4_tiled_avx2<const TY: u8, const T: usize>(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) {
     let gb = super::tiled::group_bytes(a.group, a.ty);
+    let prefetch = T > 1 || super::decode_prefetch();
     for (at, stride, panel, tile) in panels(a) {
         let base = a.data.as_ptr().add(at);
         // The panel's tiles, side by side: where each one's first group starts, and its index.
         let list = |j: usize| (base.add(j * gb), tile + j);
         match (T, panel) {
-            (1, 4) => q4_tiles_avx2::<TY, T, 4>(a, out, ostride, std::array::from_fn(list), stride),
-            (1, 3) => q4_tiles_avx2::<TY, T, 3>(a, out, ostride, std::array::from_fn(list), stride),
-            (1, 2) => q4_tiles_avx2::<TY, T, 2>(a, out, ostride, std::array::from_fn(list), stride),
+            (1, 4) => q4_tiles_avx2::<TY, T, 4>(a, out, ostride, std::array::from_fn(list), stride, prefetch),
+            (1, 3) => q4_tiles_avx2::<TY, T, 3>(a, out, ostride, std::array::from_fn(list), stride, prefetch),
+            (1, 2) => q4_tiles_avx2::<TY, T, 2>(a, out, ostride, std::array::from_fn(list), stride, prefetch),
             _ => {
                 for j in 0..panel {
-                    q4_tiles_avx2::<TY, T, 1>(a, out, ostride, [list(j)], stride);
+                    q4_tiles_avx2::<TY, T, 1>(a, out, ostride, [list(j)], stride, prefetch);
                 }
             }
         }
@@ -1433,7 +1444,7 @@ unsafe fn hsum_lanes(v: &[__m256; 8]) -> __m256 {
 /// row-major kernel [`q4_maddubs`] runs it for one row: block `b` multiply-adds into accumulator
 /// [`maddubs_lane`]`(b)`, the bias `Σ bias·xsum` into accumulator `g mod 8`, missing blocks and groups of a last
 /// chunk add zero, and both reduce by `hsum256`'s tree. So a tiled record gives the bits its row-major layout
-/// gives, and streamed decode equals resident decode.
+/// gives, and streamed decode equals resident decode. `prefetch` as in [`q4_tiles`].
 #[inline(always)]
 unsafe fn q4_tiles_avx2<const TY: u8, const T: usize, const P: usize>(
     a: &TiledArgs<'_>,
@@ -1441,6 +1452,7 @@ unsafe fn q4_tiles_avx2<const TY: u8, const T: usize, const P: usize>(
     ostride: usize,
     tiles: [(*const u8, usize); P],
     stride: usize,
+    prefetch: bool,
 ) {
     use super::tiled::TILE_ROWS;
     let size = a.ty.size();
@@ -1452,7 +1464,7 @@ unsafe fn q4_tiles_avx2<const TY: u8, const T: usize, const P: usize>(
     let mut acc = [[[[zero; 8]; T]; 2]; P];
     let mut bacc = [[[[zero; 8]; T]; 2]; P];
     for g in 0..groups {
-        if T > 1 {
+        if prefetch {
             for (base, _) in tiles {
                 let next = base.wrapping_add((g + 1) * stride);
                 for line in (0..gb).step_by(64) {
