@@ -257,10 +257,6 @@ pub fn pack_codes(bits: u32, codes: &[u32]) -> Vec<u8> {
 pub fn kernel_summary() -> String {
     let isa = Isa::detect();
     let int8 = match isa {
-        Isa::Avx512 if q8::vnni_available() && decode_prefetch() => {
-            "int8 kernels for 4- and 8-bit weights, tiled resident matrices (decode prefetches the next group), \
-             band kernel for streamed records (AVX-512 VNNI)"
-        }
         Isa::Avx512 if q8::vnni_available() => {
             "int8 kernels for 4- and 8-bit weights, tiled resident matrices, band kernel for streamed records \
              (AVX-512 VNNI)"
@@ -271,7 +267,11 @@ pub fn kernel_summary() -> String {
         }
         _ => "no int8 kernels for this instruction set (AVX2 and AVX-512 only so far): --kernels q8 runs the exact kernels",
     };
-    format!("{}: {int8}", format!("{isa:?}").to_ascii_lowercase())
+    let prefetch = match isa {
+        Isa::Avx2 | Isa::Avx512 if decode_prefetch() => "; the tiled kernels prefetch in decode too",
+        _ => "",
+    };
+    format!("{}: {int8}{prefetch}", format!("{isa:?}").to_ascii_lowercase())
 }
 
 /// Whether the tiled 4-bit kernels prefetch the next group in decode (one token) too, as they do for prompts:
