@@ -19,6 +19,7 @@ PEERS=${PEERS:-$HERE/../../shared/peers}
 OWN_LLAMA_BIN=${LLAMA_BIN:-}
 source "$PEERS/setup.sh"
 LLAMA_BIN=${OWN_LLAMA_BIN:-$LLAMA_BIN}
+[ -x "$LLAMA_BIN/llama-bench" ] || { echo "no llama-bench in LLAMA_BIN=$LLAMA_BIN"; exit 1; }
 PRESET=${1:?usage: compare.sh medium|large}
 SLUICE=${SLUICE:-target/release/sluice}
 [ -x "$SLUICE" ] || { echo "no sluice binary at $SLUICE (cargo build --release, or set SLUICE)"; exit 1; }

@@ -277,7 +277,7 @@ pub fn kernel_summary() -> String {
 /// Whether the tiled 4-bit kernels prefetch the next group in decode (one token) too, as they do for prompts:
 /// on Intel cores, where a core's one stream leaves DRAM partly idle (see [`DramProbe::four_streams`]), they do
 /// (medium decode +26% with the AVX-512 kernel on the Sapphire Rapids host, +3% with the AVX2 one there); on AMD
-/// ones it halved the hardware prefetcher's rate (one thread from DRAM 25–28 → 19–21 GB/s), so they do not.
+/// ones it cut one thread's rate from DRAM by a quarter (25–28 → 19–21 GB/s), so they do not.
 /// `SLUICE_DECODE_PREFETCH=1|0` overrides; results are the same bits either way.
 pub fn decode_prefetch() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();

@@ -1264,7 +1264,9 @@ pub(super) fn q4_tiled_rows(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) 
 
 /// Whether this CPU's vendor string (`cpuid` leaf 0) is Intel's.
 pub(super) fn intel_cpu() -> bool {
-    let r = __cpuid(0);
+    // SAFETY: `cpuid` exists on every x86-64 CPU (the intrinsic is safe from Rust 1.94 on, unsafe before).
+    #[allow(unused_unsafe)]
+    let r = unsafe { __cpuid(0) };
     // The vendor string is EBX, EDX, ECX: "Genu" "ineI" "ntel".
     [r.ebx, r.edx, r.ecx] == [0x756e_6547, 0x4965_6e69, 0x6c65_746e]
 }
@@ -1301,7 +1303,6 @@ unsafe fn q4_tiled<const TY: u8, const T: usize, const P: usize>(a: &TiledArgs<'
 /// [`super::decode_prefetch`]). Each tile's sums run in the same order whatever P is, so the bits do not
 /// depend on it.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 unsafe fn q4_tiles<const TY: u8, const T: usize, const P: usize>(
     a: &TiledArgs<'_>,
     out: &mut [f32],
@@ -1381,8 +1382,9 @@ unsafe fn q4_tiles<const TY: u8, const T: usize, const P: usize>(
     }
 }
 
-/// The AVX2 tiled kernel for `T` tokens: each panel's tiles `P` at a time (one token, address order) or one
-/// at a time (four tokens, the next group prefetched as in [`q4_tiled`]).
+/// The AVX2 tiled kernel for `T` tokens: each panel's tiles `P` at a time (one token, address order, lines
+/// prefetched `PREFETCH_AHEAD` on, and the next group too where [`super::decode_prefetch`] says) or one at a
+/// time (four tokens, the next group prefetched as in [`q4_tiled`]).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4_tiled_avx2<const TY: u8, const T: usize>(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) {
     let gb = super::tiled::group_bytes(a.group, a.ty);
