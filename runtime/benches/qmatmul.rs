@@ -78,7 +78,7 @@ fn main() {
         true => experts
             .iter()
             .filter_map(|e| match mat(e) {
-                MatRef::Quant(q) => tiled::tile(&q),
+                MatRef::Quant(q) => tiled::tile(&q, sluice_runtime::cpu::panel_tiles().into()),
                 _ => None,
             })
             .collect(),
@@ -188,7 +188,11 @@ impl Run {
         let time = |picks: &mut dyn FnMut() -> Option<usize>, outs: &mut [Vec<u8>]| {
             let (t, mut n) = (Instant::now(), 0usize);
             while let Some(i) = picks() {
-                assert!(tiled::tile_into(&quants[i], &mut outs[i]));
+                assert!(tiled::tile_into(
+                    &quants[i],
+                    sluice_runtime::cpu::panel_tiles().into(),
+                    &mut outs[i]
+                ));
                 black_box(&outs[i]);
                 n += 1;
             }
@@ -221,5 +225,6 @@ fn tiled_view(data: &[u8], group: usize, rows: usize, cols: usize) -> MatRef<'_>
         group,
         rows,
         cols,
+        panel: sluice_runtime::cpu::panel_tiles().into(),
     })
 }

@@ -379,11 +379,16 @@ pub fn matvec_probe(spec: Option<QuantSpec>, cols: usize, time: std::time::Durat
             .collect()
     };
     // The cpu backend repacks 4-bit matrices into tiles where its tiled kernel runs: probe that kernel there.
+    let panel = crate::cpu::panel_tiles();
     let tiled = match stored {
         WeightFormat::Affine { bits, scale_type, .. }
             if crate::cpu::tiled::tiles(bits, group, cols) && crate::cpu::q8::tiled_kernel_on(isa) =>
         {
-            Some(WeightFormat::Tiled { group, scale_type })
+            Some(WeightFormat::Tiled {
+                group,
+                scale_type,
+                panel,
+            })
         }
         _ => None,
     };
@@ -395,7 +400,7 @@ pub fn matvec_probe(spec: Option<QuantSpec>, cols: usize, time: std::time::Durat
             .map(|(i, &n)| fill(n, i > 0 || matches!(stored, WeightFormat::Dense(_))))
             .collect();
         let tiles = tiled.and_then(|_| match stored.view(rows, cols, &[&parts[0], &parts[1], &parts[2]]) {
-            crate::cpu::MatRef::Quant(q) => crate::cpu::tiled::tile(&q),
+            crate::cpu::MatRef::Quant(q) => crate::cpu::tiled::tile(&q, panel.into()),
             _ => None,
         });
         tiles.map_or(parts, |t| vec![t])

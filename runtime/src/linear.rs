@@ -25,6 +25,8 @@ pub enum WeightFormat {
         group: usize,
         /// Element type of scales and biases.
         scale_type: FloatType,
+        /// Tiles per panel (`crate::cpu::tiled::TiledMatrix::panel`; a byte keeps the format small).
+        panel: u8,
     },
 }
 
@@ -60,12 +62,17 @@ impl WeightFormat {
                 rows,
                 cols,
             }),
-            WeightFormat::Tiled { group, scale_type } => MatRef::Tiled(TiledMatrix {
+            WeightFormat::Tiled {
+                group,
+                scale_type,
+                panel,
+            } => MatRef::Tiled(TiledMatrix {
                 data: parts[0],
                 scale_type,
                 group,
                 rows,
                 cols,
+                panel: panel.into(),
             }),
         }
     }
@@ -82,7 +89,7 @@ impl WeightFormat {
                 let sb = rows * (cols / group) * scale_type.size();
                 vec![rows * cols * bits as usize / 8, sb, sb]
             }
-            WeightFormat::Tiled { group, scale_type } => vec![tiled::tiled_len(rows, cols, group, scale_type)],
+            WeightFormat::Tiled { group, scale_type, .. } => vec![tiled::tiled_len(rows, cols, group, scale_type)],
         }
     }
 }
@@ -110,11 +117,13 @@ impl Linear {
             return None;
         };
         let len = tiled::tiled_len(q.rows, q.cols, q.group, q.scale_type);
-        let data = arena.place(len, |out| tiled::tile_into(&q, out))?;
+        let panel = crate::cpu::panel_tiles();
+        let data = arena.place(len, |out| tiled::tile_into(&q, panel.into(), out))?;
         Some(Linear {
             format: WeightFormat::Tiled {
                 group: q.group,
                 scale_type: q.scale_type,
+                panel,
             },
             rows: self.rows,
             cols: self.cols,

@@ -110,29 +110,36 @@ fn tiled_matmul_matches_the_int8_oracle() {
                 rows,
                 cols,
             };
-            let data = tile(&qm).unwrap();
-            let w = MatRef::Tiled(TiledMatrix {
-                data: &data,
-                scale_type: ty,
-                group,
-                rows,
-                cols,
-            });
-            let (mut a, mut b) = (vec![0f32; cols], vec![0f32; cols]);
-            for r in 0..rows {
-                w.row(Isa::Scalar, r, &mut a);
-                MatRef::Quant(qm).row(Isa::Scalar, r, &mut b);
-                assert_eq!(a, b, "{ty:?} g{group}: tiled row {r} dequantizes differently");
+            for panel in [1, sluice_runtime::cpu::tiled::PASS_TILES] {
+                let data = tile(&qm, panel).unwrap();
+                let w = MatRef::Tiled(TiledMatrix {
+                    data: &data,
+                    scale_type: ty,
+                    group,
+                    rows,
+                    cols,
+                    panel,
+                });
+                let (mut a, mut b) = (vec![0f32; cols], vec![0f32; cols]);
+                for r in 0..rows {
+                    w.row(Isa::Scalar, r, &mut a);
+                    MatRef::Quant(qm).row(Isa::Scalar, r, &mut b);
+                    assert_eq!(
+                        a, b,
+                        "{ty:?} g{group} panels of {panel}: tiled row {r} dequantizes differently"
+                    );
+                }
+                let weights = Weights {
+                    codes: &codes,
+                    scales: &scales,
+                    biases: &biases,
+                    group,
+                    rows,
+                    cols,
+                };
+                let what = format!("tiled {ty:?}, panels of {panel}");
+                check_matmul(w, tiled_kernel_on, &weights, &x, n, &what);
             }
-            let weights = Weights {
-                codes: &codes,
-                scales: &scales,
-                biases: &biases,
-                group,
-                rows,
-                cols,
-            };
-            check_matmul(w, tiled_kernel_on, &weights, &x, n, &format!("tiled {ty:?}"));
         }
     }
 }

@@ -42,7 +42,11 @@ fn tiled_layout(isa: Isa, layout: &ExpertLayout, inter: usize, hidden: usize) ->
                 && rows % tiled::TILE_ROWS == 0
                 && crate::cpu::q8::stored_matches_tiled(isa, group, rows, cols) =>
             {
-                *f = WeightFormat::Tiled { group, scale_type }
+                *f = WeightFormat::Tiled {
+                    group,
+                    scale_type,
+                    panel: crate::cpu::panel_tiles(),
+                }
             }
             _ => return None,
         }
@@ -112,8 +116,16 @@ impl RecordTransform for TiledExperts {
             .collect::<Option<Vec<&[u8]>>>()
             .ok_or("a part lies outside the record")?;
         let split = l.stored.split(&parts, |p, r| p.get(r)).map_err(|e| e.to_string())?;
-        let matrices = l.stored.matrices(l.inter, l.hidden);
-        for ((&(format, (rows, cols)), parts), &(at, len)) in matrices.iter().zip(&split).zip(to) {
+        let (matrices, tiled) = (
+            l.stored.matrices(l.inter, l.hidden),
+            l.tiled.matrices(l.inter, l.hidden),
+        );
+        for (((&(format, (rows, cols)), &(into, _)), parts), &(at, len)) in
+            matrices.iter().zip(&tiled).zip(&split).zip(to)
+        {
+            let WeightFormat::Tiled { panel, .. } = into else {
+                return Err("a tiled layer's matrix is not tiled".into());
+            };
             let want = format.part_bytes(rows, cols);
             if parts.iter().map(|p| p.len()).ne(want.iter().copied()) {
                 return Err(format!("a {rows}×{cols} matrix's parts are not {want:?} bytes"));
@@ -124,7 +136,7 @@ impl RecordTransform for TiledExperts {
             let dst = slot
                 .get_mut(at..at + len)
                 .ok_or("a tiled matrix lies outside the slot")?;
-            if !tiled::tile_into(&q, dst) {
+            if !tiled::tile_into(&q, panel.into(), dst) {
                 return Err(format!("a {rows}×{cols} matrix cannot be tiled"));
             }
         }

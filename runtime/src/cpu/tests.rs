@@ -490,7 +490,6 @@ mod q8_kernels {
         let (rows, cols) = (m.rows, m.cols);
         let band = Q8Kernel::for_matrix(&m.q(), Isa::Avx512).expect("a 4-bit kernel");
         assert!(band.band, "whole bands take the band kernel");
-        let tiles = tiled::tile(&m.q()).expect("tiles");
         let (ba, ta) = (
             q8::quantize(&m.x, n, cols, band),
             q8::quantize(&m.x, n, cols, Q8Kernel::for_tiled(Isa::Avx512).unwrap()),
@@ -513,9 +512,17 @@ mod q8_kernels {
                 xsum: &m.xsum[gs],
             };
             x86::q4_band_rows(&args, &mut got[t..], n);
-            x86::q4_tiled_rows(&m.tiled_args(&tiles, &ta, (t, tokens), true), &mut want[t..], n);
         }
-        assert_same_bits(&got, &want, n);
+        // In panels of one tile and of four.
+        for panel in [1, tiled::PASS_TILES] {
+            let tiles = tiled::tile(&m.q(), panel).expect("tiles");
+            want.fill(f32::NAN);
+            for (t, tokens) in token_passes(n) {
+                let args = m.tiled_args(&tiles, panel, &ta, (t, tokens), true);
+                x86::q4_tiled_rows(&args, &mut want[t..], n);
+            }
+            assert_same_bits(&got, &want, n);
+        }
     }
 
     /// A random 4-bit matrix with scales and biases of one type, and `n` tokens of activations.
@@ -570,6 +577,7 @@ mod q8_kernels {
         fn tiled_args<'a>(
             &'a self,
             tiles: &'a [u8],
+            panel: usize,
             acts: &'a q8::QuantActs,
             (t, tokens): (usize, usize),
             avx512: bool,
@@ -582,6 +590,7 @@ mod q8_kernels {
                 group: self.group,
                 rows: self.rows,
                 cols: self.cols,
+                panel,
                 tokens,
                 xq: &acts.xq[xs],
                 block_d: &acts.lane_d[ds],
@@ -665,7 +674,6 @@ mod q8_kernels {
         let row_major = Q8Kernel::for_matrix(&m.q(), Isa::Avx2).expect("the AVX2 4-bit kernel");
         let tiled_k = Q8Kernel::for_tiled(Isa::Avx2).expect("the AVX2 tiled kernel");
         assert!(!row_major.avx512 && !row_major.band && !tiled_k.avx512 && tiled_k.tiled);
-        let tiles = tiled::tile(&m.q()).expect("tiles");
         let (ra, ta) = (
             q8::quantize(&m.x, n, cols, row_major),
             q8::quantize(&m.x, n, cols, tiled_k),
@@ -691,16 +699,24 @@ mod q8_kernels {
                 group,
             };
             x86::q8_rows(row_major, &args, &raw, &mut want[t..], n);
-            x86::q4_tiled_rows(&m.tiled_args(&tiles, &ta, (t, tokens), false), &mut got[t..], n);
         }
-        assert_same_bits(&got, &want, n);
-        // Passes of three tokens (and a last one of one or two) give the same.
-        let mut again = vec![f32::NAN; rows * n];
-        for t in (0..n).step_by(3) {
-            let args = m.tiled_args(&tiles, &ta, (t, 3.min(n - t)), false);
-            x86::q4_tiled_rows(&args, &mut again[t..], n);
+        // In panels of one tile and of four.
+        for panel in [1, tiled::PASS_TILES] {
+            let tiles = tiled::tile(&m.q(), panel).expect("tiles");
+            got.fill(f32::NAN);
+            for (t, tokens) in token_passes(n) {
+                let args = m.tiled_args(&tiles, panel, &ta, (t, tokens), false);
+                x86::q4_tiled_rows(&args, &mut got[t..], n);
+            }
+            assert_same_bits(&got, &want, n);
+            // Passes of three tokens (and a last one of one or two) give the same.
+            let mut again = vec![f32::NAN; rows * n];
+            for t in (0..n).step_by(3) {
+                let args = m.tiled_args(&tiles, panel, &ta, (t, 3.min(n - t)), false);
+                x86::q4_tiled_rows(&args, &mut again[t..], n);
+            }
+            assert_same_bits(&again, &want, n);
         }
-        assert_same_bits(&again, &want, n);
     }
 
     /// Rows longer than the property test's (1,056 to 4,096 columns: 8 to 32 128-column steps, some with a
@@ -854,6 +870,23 @@ fn decode_prefetch_follows_the_vendor_unless_overridden() {
         "an unreadable value keeps the vendor's default"
     );
     assert!(!decode_prefetch_rule(false, Some("maybe")));
+}
+
+#[test]
+fn tile_panels_follow_the_vendor_unless_overridden() {
+    assert_eq!(panel_tiles_rule(true, None), 1);
+    assert_eq!(panel_tiles_rule(false, None), 4);
+    assert_eq!(panel_tiles_rule(true, Some(" 4 ")), 4);
+    assert_eq!(panel_tiles_rule(false, Some("1")), 1);
+    for bad in ["2", "0", "wide"] {
+        assert_eq!(panel_tiles_rule(true, Some(bad)), 1, "{bad} keeps the vendor's default");
+        assert_eq!(
+            panel_tiles_rule(false, Some(bad)),
+            4,
+            "{bad} keeps the vendor's default"
+        );
+    }
+    assert!(tiled::valid_panel(panel_tiles().into()));
 }
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]

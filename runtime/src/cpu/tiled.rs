@@ -3,12 +3,15 @@
 //! activation block. The float work (block scale × group scale, accumulate) is then one vector op per 16 rows
 //! and block, where MLX's row-major layout needs one per row and 128 columns.
 //!
-//! Layout: tiles (rows `16t .. 16t+16`; a short last tile is padded with zero rows) come in panels of four
-//! (64 rows; the last panel may have fewer tiles), and a panel is stored group by group, its tiles side by
-//! side: group 0 of tiles 0..4, then group 1 of tiles 0..4, and so on. A kernel reading a panel's four tiles
-//! together then reads one sequential stream per matrix, which the hardware prefetchers follow from panel to
-//! panel, instead of four short streams that each start cold (measured on an AMD EPYC: 10–30% more weight
-//! bytes per second). One tile's group is its 16 scales, its 16 biases (in the stored float type), then for
+//! Layout: tiles (rows `16t .. 16t+16`; a short last tile is padded with zero rows) come in panels of
+//! `panel` tiles (1 or 4; the last panel may have fewer), and a panel is stored group by group, its tiles
+//! side by side: group 0 of tiles 0..4, then group 1 of tiles 0..4, and so on. A panel of one tile is the
+//! plain tile-major order. The decode kernels read four tiles side by side, so with panels of four they read
+//! one sequential stream per matrix, which AMD's prefetchers follow from panel to panel (measured on an AMD
+//! EPYC: 10–30% more weight bytes per second than four streams), while with panels of one they read four
+//! streams at once, which keeps more lines in flight on Intel cores (medium decode +13–16% on the Sapphire
+//! Rapids host); [`super::panel_tiles`] picks by CPU. The layout moves bytes, never arithmetic: both give
+//! the same bits. One tile's group is its 16 scales, its 16 biases (in the stored float type), then for
 //! each 32-column block of the group 256 bytes of codes: 64-byte vector `k` (0..4) holds, in bytes
 //! `4l .. 4l+4` (lane `l`, row `16t + l`), the codes of columns `4k + j` (low nibbles) and `16 + 4k + j`
 //! (high nibbles) of the block.
@@ -17,10 +20,10 @@ use super::{FloatType, QuantMatrix};
 
 /// Rows per tile.
 pub const TILE_ROWS: usize = 16;
-/// Tiles per panel.
-pub const PANEL_TILES: usize = 4;
-/// Rows per panel: where a tiled matrix may be split between threads.
-pub const PANEL_ROWS: usize = PANEL_TILES * TILE_ROWS;
+/// Tiles the decode kernels read side by side, and the widest panel.
+pub const PASS_TILES: usize = 4;
+/// Rows of [`PASS_TILES`] tiles: where a tiled matrix may be split between threads (whatever its panels).
+pub const PASS_ROWS: usize = PASS_TILES * TILE_ROWS;
 /// Columns per block (one activation quantization block).
 const BLOCK: usize = 32;
 /// Code bytes per tile and block.
@@ -39,6 +42,8 @@ pub struct TiledMatrix<'a> {
     pub rows: usize,
     /// Input features (a multiple of `group`).
     pub cols: usize,
+    /// Tiles per panel: 1 or [`PASS_TILES`] (see the module docs).
+    pub panel: usize,
 }
 
 /// Bytes of one group of one tile: scales, biases, codes.
@@ -51,12 +56,18 @@ pub fn tiled_len(rows: usize, cols: usize, group: usize, scale_type: FloatType) 
     rows.div_ceil(TILE_ROWS) * (cols / group) * group_bytes(group, scale_type)
 }
 
-/// Where group `g` of tile `t` starts in a matrix of `tiles` tiles with `groups` groups of `gb` bytes, and
-/// the distance from one group of that tile to its next (its panel's tiles side by side).
-pub fn tile_group_at(tiles: usize, groups: usize, gb: usize, t: usize, g: usize) -> (usize, usize) {
-    let first = t - t % PANEL_TILES;
-    let stride = (tiles - first).min(PANEL_TILES) * gb;
+/// Where group `g` of tile `t` starts in a matrix of `tiles` tiles with `groups` groups of `gb` bytes, in
+/// panels of `panel` tiles, and the distance from one group of that tile to its next (its panel's tiles side
+/// by side).
+pub fn tile_group_at(tiles: usize, groups: usize, gb: usize, panel: usize, t: usize, g: usize) -> (usize, usize) {
+    let first = t - t % panel;
+    let stride = (tiles - first).min(panel) * gb;
     (first * groups * gb + g * stride + (t - first) * gb, stride)
+}
+
+/// Whether `panel` is a panel width the kernels read: 1 or [`PASS_TILES`].
+pub fn valid_panel(panel: usize) -> bool {
+    panel == 1 || panel == PASS_TILES
 }
 
 /// Whether `q` can be tiled: 4-bit, groups of whole blocks, whole groups per row.
@@ -70,43 +81,43 @@ pub fn tiles(bits: u32, group: usize, cols: usize) -> bool {
     bits == 4 && group.is_multiple_of(BLOCK) && (1..=128).contains(&group) && cols.is_multiple_of(group)
 }
 
-/// `q` repacked into tiles, or `None` when [`can_tile`] says no.
-pub fn tile(q: &QuantMatrix<'_>) -> Option<Vec<u8>> {
+/// `q` repacked into tiles in panels of `panel`, or `None` when [`can_tile`] or [`valid_panel`] says no.
+pub fn tile(q: &QuantMatrix<'_>, panel: usize) -> Option<Vec<u8>> {
     let mut out = vec![0u8; tiled_len(q.rows, q.cols, q.group, q.scale_type)];
-    tile_into(q, &mut out).then_some(out)
+    tile_into(q, panel, &mut out).then_some(out)
 }
 
-/// Writes `q`'s tiles into `out` (`tiled_len(..)` bytes, every byte written); false when [`can_tile`] says
-/// no or `out` has the wrong length.
-pub fn tile_into(q: &QuantMatrix<'_>, out: &mut [u8]) -> bool {
-    if !can_tile(q) || out.len() != tiled_len(q.rows, q.cols, q.group, q.scale_type) {
+/// Writes `q`'s tiles in panels of `panel` into `out` (`tiled_len(..)` bytes, every byte written); false
+/// when [`can_tile`] or [`valid_panel`] says no or `out` has the wrong length.
+pub fn tile_into(q: &QuantMatrix<'_>, panel: usize, out: &mut [u8]) -> bool {
+    if !can_tile(q) || !valid_panel(panel) || out.len() != tiled_len(q.rows, q.cols, q.group, q.scale_type) {
         return false;
     }
     let size = q.scale_type.size();
     let (groups, gb) = (q.cols / q.group, group_bytes(q.group, q.scale_type));
     let row_bytes = q.cols / 2;
     let tiles = q.rows.div_ceil(TILE_ROWS);
-    for first in (0..tiles).step_by(PANEL_TILES) {
-        // A panel at a time, group by group with its tiles side by side: the order the panel is stored in,
-        // so the writes run straight through it (tile by tile, they hopped a panel's width at each group,
-        // and a record fresh from disk tiled at half the speed).
-        let panel = first..tiles.min(first + PANEL_TILES);
+    for first in (0..tiles).step_by(PASS_TILES) {
+        // Four tiles at a time, group by group: with panels of four, the order the panel is stored in, so the
+        // writes run straight through it (tile by tile, they hopped a panel's width at each group, and a
+        // record fresh from disk tiled at half the speed); with panels of one, four streams of writes.
+        let pass = first..tiles.min(first + PASS_TILES);
         // Each tile's rows of codes, scales and biases; padding rows (and tiles past the last) are empty.
         let rows = |part, i: usize, len| tile_rows(part, (first + i) * TILE_ROWS, q.rows, len);
-        let codes: [_; PANEL_TILES] = std::array::from_fn(|i| rows(q.packed, i, row_bytes));
-        let scales: [_; PANEL_TILES] = std::array::from_fn(|i| rows(q.scales, i, groups * size));
-        let biases: [_; PANEL_TILES] = std::array::from_fn(|i| rows(q.biases, i, groups * size));
-        // The next panel's rows, fetched a group's share at a time while this one is tiled: a record being
-        // tiled has just landed from disk, and a panel reads its 64 rows side by side.
-        let next = |part, len| rows_span(part, (first + PANEL_TILES) * TILE_ROWS, q.rows, len);
+        let codes: [_; PASS_TILES] = std::array::from_fn(|i| rows(q.packed, i, row_bytes));
+        let scales: [_; PASS_TILES] = std::array::from_fn(|i| rows(q.scales, i, groups * size));
+        let biases: [_; PASS_TILES] = std::array::from_fn(|i| rows(q.biases, i, groups * size));
+        // The next four tiles' rows, fetched a group's share at a time while these are tiled: a record being
+        // tiled has just landed from disk, and four tiles read their 64 rows side by side.
+        let next = |part, len| rows_span(part, (first + PASS_TILES) * TILE_ROWS, q.rows, len);
         let next_codes = next(q.packed, row_bytes);
         prefetch(next(q.scales, groups * size));
         prefetch(next(q.biases, groups * size));
         let share = next_codes.len().div_ceil(groups.max(1)).next_multiple_of(64).max(64);
         for g in 0..groups {
             prefetch(next_codes.chunks(share).nth(g).unwrap_or_default());
-            for (i, t) in panel.clone().enumerate() {
-                let at = tile_group_at(tiles, groups, gb, t, g).0;
+            for (i, t) in pass.clone().enumerate() {
+                let at = tile_group_at(tiles, groups, gb, panel, t, g).0;
                 let (params, dst) = out[at..at + gb].split_at_mut(2 * TILE_ROWS * size);
                 let (s, b) = params.split_at_mut(TILE_ROWS * size);
                 match size {
@@ -122,7 +133,7 @@ pub fn tile_into(q: &QuantMatrix<'_>, out: &mut [u8]) -> bool {
 
 /// The bytes of rows `first .. first + 64` of `part` (`len` bytes each, `rows` rows; fewer at the end).
 fn rows_span(part: &[u8], first: usize, rows: usize, len: usize) -> &[u8] {
-    let (first, end) = (first.min(rows), (first + PANEL_ROWS).min(rows));
+    let (first, end) = (first.min(rows), (first + PASS_ROWS).min(rows));
     part.get(first * len..end * len).unwrap_or_default()
 }
 
@@ -213,7 +224,7 @@ impl TiledMatrix<'_> {
         let (tiles, groups) = (self.rows.div_ceil(TILE_ROWS), self.cols / self.group);
         let l = r % TILE_ROWS;
         for (g, dst) in out.chunks_mut(self.group).enumerate() {
-            let at = tile_group_at(tiles, groups, gb, r / TILE_ROWS, g).0;
+            let at = tile_group_at(tiles, groups, gb, self.panel, r / TILE_ROWS, g).0;
             let grp = &self.data[at..at + gb];
             let s = self.scale_type.get(grp, l);
             let b = self.scale_type.get(grp, TILE_ROWS + l);
@@ -277,32 +288,39 @@ mod tests {
             rows: 70,
             cols: 0,
         };
-        assert_eq!(tile(&q), Some(Vec::new()));
+        assert_eq!(tile(&q, PASS_TILES), Some(Vec::new()));
+        assert_eq!(tile(&q, 2), None, "panels of two are no layout the kernels read");
     }
 
     #[test]
     fn every_tile_group_has_its_own_bytes() {
         let gb = 64;
-        for (tiles, groups) in [(1, 1), (4, 3), (5, 2), (11, 4), (8, 1), (7, 5)] {
-            let mut owner = vec![usize::MAX; tiles * groups * gb];
-            for t in 0..tiles {
-                for g in 0..groups {
-                    let (at, stride) = tile_group_at(tiles, groups, gb, t, g);
-                    assert!(
-                        owner[at..at + gb].iter().all(|&o| o == usize::MAX),
-                        "{tiles}×{groups}: overlap"
-                    );
-                    owner[at..at + gb].fill(t * groups + g);
-                    // A group's next one is `stride` further on, and a panel's tiles sit side by side.
-                    if g + 1 < groups {
-                        assert_eq!(tile_group_at(tiles, groups, gb, t, g + 1).0, at + stride);
-                    }
-                    if t % PANEL_TILES > 0 {
-                        assert_eq!(tile_group_at(tiles, groups, gb, t - 1, g).0 + gb, at);
+        for panel in [1, PASS_TILES] {
+            for (tiles, groups) in [(1, 1), (4, 3), (5, 2), (11, 4), (8, 1), (7, 5)] {
+                let mut owner = vec![usize::MAX; tiles * groups * gb];
+                for t in 0..tiles {
+                    for g in 0..groups {
+                        let (at, stride) = tile_group_at(tiles, groups, gb, panel, t, g);
+                        assert!(
+                            owner[at..at + gb].iter().all(|&o| o == usize::MAX),
+                            "{tiles}×{groups} in panels of {panel}: overlap"
+                        );
+                        owner[at..at + gb].fill(t * groups + g);
+                        // A group's next one is `stride` further on, and a panel's tiles sit side by side.
+                        if g + 1 < groups {
+                            assert_eq!(tile_group_at(tiles, groups, gb, panel, t, g + 1).0, at + stride);
+                        }
+                        if t % panel > 0 {
+                            assert_eq!(tile_group_at(tiles, groups, gb, panel, t - 1, g).0 + gb, at);
+                        }
                     }
                 }
+                assert!(owner.iter().all(|&o| o != usize::MAX), "{tiles}×{groups}: a gap");
+                // Panels of one are tile-major: each tile whole, one after another.
+                if panel == 1 {
+                    assert!((0..tiles).all(|t| tile_group_at(tiles, groups, gb, 1, t, 0) == (t * groups * gb, gb)));
+                }
             }
-            assert!(owner.iter().all(|&o| o != usize::MAX), "{tiles}×{groups}: a gap");
         }
     }
 
@@ -329,22 +347,25 @@ mod tests {
                 rows,
                 cols,
             };
-            let data = tile(&q).unwrap();
-            // Into a slot that held something else: every byte is written, padding rows included.
-            let mut dirty = vec![0xaa; data.len()];
-            assert!(tile_into(&q, &mut dirty) && dirty == data);
-            let t = TiledMatrix {
-                data: &data,
-                scale_type: st,
-                group,
-                rows,
-                cols,
-            };
-            let (mut want, mut got) = (vec![0f32; cols], vec![0f32; cols]);
-            for r in 0..rows {
-                MatRef::Quant(q).row(Isa::Scalar, r, &mut want);
-                t.row(r, &mut got);
-                assert_eq!(want, got, "row {r} of {rows}×{cols} g{group}");
+            for panel in [1, PASS_TILES] {
+                let data = tile(&q, panel).unwrap();
+                // Into a slot that held something else: every byte is written, padding rows included.
+                let mut dirty = vec![0xaa; data.len()];
+                assert!(tile_into(&q, panel, &mut dirty) && dirty == data);
+                let t = TiledMatrix {
+                    data: &data,
+                    scale_type: st,
+                    group,
+                    rows,
+                    cols,
+                    panel,
+                };
+                let (mut want, mut got) = (vec![0f32; cols], vec![0f32; cols]);
+                for r in 0..rows {
+                    MatRef::Quant(q).row(Isa::Scalar, r, &mut want);
+                    t.row(r, &mut got);
+                    assert_eq!(want, got, "row {r} of {rows}×{cols} g{group}, panels of {panel}");
+                }
             }
         }
     }

@@ -1189,6 +1189,8 @@ pub(super) struct TiledArgs<'a> {
     /// Rows to compute (from the first tile of `data`); the last tile may be partial.
     pub rows: usize,
     pub cols: usize,
+    /// Tiles per panel (`super::tiled::TiledMatrix::panel`).
+    pub panel: usize,
     pub tokens: usize,
     pub xq: &'a [i8],
     pub block_d: &'a [f32],
@@ -1208,6 +1210,7 @@ pub(super) fn q4_tiled_rows(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) 
         "tile shape"
     );
     assert!(a.data.len() >= tiled_len(a.rows, a.cols, a.group, a.ty), "tile bounds");
+    assert!(super::tiled::valid_panel(a.panel), "panels of 1 or 4 tiles");
     check_token_bounds(
         a.tokens,
         a.cols,
@@ -1223,7 +1226,7 @@ pub(super) fn q4_tiled_rows(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) 
             "AVX2, FMA and F16C"
         );
     }
-    use super::tiled::PANEL_TILES;
+    use super::tiled::PASS_TILES;
     use super::FloatType as F;
     // SAFETY: the kernel's instruction set (AVX-512 F/BW/VL/VNNI, or AVX2, FMA and F16C) detected above; the
     // asserts bound every read (tiles of `rows`, `tokens` rows of activations, block scales and group sums) and
@@ -1249,9 +1252,9 @@ pub(super) fn q4_tiled_rows(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) 
                     };
                     let out = &mut out[t..];
                     match (avx512, ty) {
-                        (true, F::F32) => q4_tiled::<TY_F32, 1, PANEL_TILES>(&one, out, ostride),
-                        (true, F::F16) => q4_tiled::<TY_F16, 1, PANEL_TILES>(&one, out, ostride),
-                        (true, F::BF16) => q4_tiled::<TY_BF16, 1, PANEL_TILES>(&one, out, ostride),
+                        (true, F::F32) => q4_tiled::<TY_F32, 1, PASS_TILES>(&one, out, ostride),
+                        (true, F::F16) => q4_tiled::<TY_F16, 1, PASS_TILES>(&one, out, ostride),
+                        (true, F::BF16) => q4_tiled::<TY_BF16, 1, PASS_TILES>(&one, out, ostride),
                         (false, F::F32) => q4_tiled_avx2::<TY_F32, 1>(&one, out, ostride),
                         (false, F::F16) => q4_tiled_avx2::<TY_F16, 1>(&one, out, ostride),
                         (false, F::BF16) => q4_tiled_avx2::<TY_BF16, 1>(&one, out, ostride),
@@ -1273,41 +1276,49 @@ pub(super) fn intel_cpu() -> bool {
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn q4_tiled<const TY: u8, const T: usize, const P: usize>(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) {
-    let gb = super::tiled::group_bytes(a.group, a.ty);
     let prefetch = T > 1 || super::decode_prefetch();
-    for (at, stride, panel, tile) in panels(a) {
-        // One panel: its tiles P at a time, then the rest two, then one (P = 4 leaves up to three in the last
-        // panel).
-        let base = a.data.as_ptr().add(at);
+    for (tile, n, stride, at) in passes(a) {
+        // One pass: its tiles P at a time, then the rest two, then one (P = 4 leaves up to three in the last
+        // pass).
+        let bases = |j: usize| -> [*const u8; P] { std::array::from_fn(|p| a.data.as_ptr().add(at[j + p])) };
         let mut j = 0;
-        while j + P <= panel {
-            q4_tiles::<TY, T, P>(a, out, ostride, base.add(j * gb), stride, tile + j, prefetch);
+        while j + P <= n {
+            q4_tiles::<TY, T, P>(a, out, ostride, bases(j), stride, tile + j, prefetch);
             j += P;
         }
-        if P > 2 && j + 2 <= panel {
-            q4_tiles::<TY, T, 2>(a, out, ostride, base.add(j * gb), stride, tile + j, prefetch);
+        if P > 2 && j + 2 <= n {
+            let two = std::array::from_fn(|p| a.data.as_ptr().add(at[j + p]));
+            q4_tiles::<TY, T, 2>(a, out, ostride, two, stride, tile + j, prefetch);
             j += 2;
         }
-        while j < panel {
-            q4_tiles::<TY, T, 1>(a, out, ostride, base.add(j * gb), stride, tile + j, prefetch);
+        while j < n {
+            q4_tiles::<TY, T, 1>(
+                a,
+                out,
+                ostride,
+                [a.data.as_ptr().add(at[j])],
+                stride,
+                tile + j,
+                prefetch,
+            );
             j += 1;
         }
     }
 }
 
-/// Tiles `first..first + P` of one panel, side by side from `base` (group `g` of tile `first + p` at
-/// `base + p·gb + g·stride`). Within a group the tiles are read one after another, each whole, so the reads
-/// walk the panel in address order: the hardware prefetcher then streams it at the core's full DRAM rate
-/// (one thread from DRAM, `qmatmul`: 25–28 GB/s, against 9–14 when each block visited all P tiles in turn,
-/// jumping 576 bytes back and forth). With `prefetch` the next group is also prefetched here (see
-/// [`super::decode_prefetch`]). Each tile's sums run in the same order whatever P is, so the bits do not
-/// depend on it.
+/// Tiles `first..first + P` of one pass, side by side (group `g` of tile `first + p` at
+/// `bases[p] + g·stride`). Within a group the tiles are read one after another, each whole, so in panels of
+/// four the reads walk the panel in address order: the hardware prefetcher then streams it at the core's
+/// full DRAM rate (one thread from DRAM on the AMD EPYC host, `qmatmul`: 25–28 GB/s, against 9–14 when each
+/// block visited all P tiles in turn, jumping 576 bytes back and forth); in panels of one they are P
+/// streams. With `prefetch` the next group is also prefetched here (see [`super::decode_prefetch`]). Each
+/// tile's sums run in the same order whatever P is, so the bits do not depend on it.
 #[inline(always)]
 unsafe fn q4_tiles<const TY: u8, const T: usize, const P: usize>(
     a: &TiledArgs<'_>,
     out: &mut [f32],
     ostride: usize,
-    base: *const u8,
+    bases: [*const u8; P],
     stride: usize,
     first: usize,
     prefetch: bool,
@@ -1318,14 +1329,14 @@ unsafe fn q4_tiles<const TY: u8, const T: usize, const P: usize>(
     let gb = group_bytes(a.group, a.ty);
     let m = _mm512_set1_epi8(0x0f);
     let (xq, bd, xs) = (a.xq.as_ptr(), a.block_d.as_ptr(), a.xsum.as_ptr());
-    let bases: [*const u8; P] = std::array::from_fn(|p| base.add(p * gb));
     let mut acc = [[_mm512_setzero_ps(); T]; P];
     let mut bacc = [[_mm512_setzero_ps(); T]; P];
     for g in 0..groups {
         // The next group, one cache line at a time. Prompts (T > 1, one tile, compute-bound) always do it
         // (prefill +17% over none on medium on the Sapphire Rapids host, 4–25% on the AMD EPYC one); decode
         // (T = 1) only where it helps the hardware prefetcher (`prefetch`, by CPU vendor). After the last group
-        // this is the next panel's first, or past the matrix: `wrapping_add`, and a prefetch never faults.
+        // this is the next panel's or tile's first, or past the matrix: `wrapping_add`, and a prefetch never
+        // faults.
         if prefetch {
             for base in bases {
                 let next = base.wrapping_add((g + 1) * stride);
@@ -1382,23 +1393,21 @@ unsafe fn q4_tiles<const TY: u8, const T: usize, const P: usize>(
     }
 }
 
-/// The AVX2 tiled kernel for `T` tokens: each panel's tiles `P` at a time (one token, address order, lines
-/// prefetched `PREFETCH_AHEAD` on, and the next group too where [`super::decode_prefetch`] says) or one at a
-/// time (four tokens, the next group prefetched as in [`q4_tiled`]).
+/// The AVX2 tiled kernel for `T` tokens: each pass's tiles side by side (one token, lines prefetched
+/// `PREFETCH_AHEAD` on along each tile's stream, and the next group too where [`super::decode_prefetch`]
+/// says) or one at a time (four tokens, the next group prefetched as in [`q4_tiled`]).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4_tiled_avx2<const TY: u8, const T: usize>(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) {
-    let gb = super::tiled::group_bytes(a.group, a.ty);
     let prefetch = T > 1 || super::decode_prefetch();
-    for (at, stride, panel, tile) in panels(a) {
-        let base = a.data.as_ptr().add(at);
-        // The panel's tiles, side by side: where each one's first group starts, and its index.
-        let list = |j: usize| (base.add(j * gb), tile + j);
-        match (T, panel) {
+    for (tile, n, stride, at) in passes(a) {
+        // The pass's tiles, side by side: where each one's first group starts, and its index.
+        let list = |j: usize| (a.data.as_ptr().add(at[j]), tile + j);
+        match (T, n) {
             (1, 4) => q4_tiles_avx2::<TY, T, 4>(a, out, ostride, std::array::from_fn(list), stride, prefetch),
             (1, 3) => q4_tiles_avx2::<TY, T, 3>(a, out, ostride, std::array::from_fn(list), stride, prefetch),
             (1, 2) => q4_tiles_avx2::<TY, T, 2>(a, out, ostride, std::array::from_fn(list), stride, prefetch),
             _ => {
-                for j in 0..panel {
+                for j in 0..n {
                     q4_tiles_avx2::<TY, T, 1>(a, out, ostride, [list(j)], stride, prefetch);
                 }
             }
@@ -1406,19 +1415,23 @@ unsafe fn q4_tiled_avx2<const TY: u8, const T: usize>(a: &TiledArgs<'_>, out: &m
     }
 }
 
-/// The panels of `a`'s tiles, in order: where each starts in `a.data`, the distance from one of its groups to
-/// the next, its tiles, and its first tile's index.
-fn panels(a: &TiledArgs<'_>) -> impl Iterator<Item = (usize, usize, usize, usize)> {
-    use super::tiled::{group_bytes, tile_group_at, TILE_ROWS};
+/// The passes over `a`'s tiles, in order: up to four tiles read side by side (a panel of four, or four panels
+/// of one), as their first tile's index, their count, the distance from one group of a tile to its next
+/// (the same for each), and where each one's first group starts in `a.data`.
+fn passes(a: &TiledArgs<'_>) -> impl Iterator<Item = (usize, usize, usize, [usize; super::tiled::PASS_TILES])> {
+    use super::tiled::{group_bytes, tile_group_at, PASS_TILES, TILE_ROWS};
     let tiles = a.rows.div_ceil(TILE_ROWS);
     let (groups, gb) = (a.cols / a.group, group_bytes(a.group, a.ty));
-    let mut tile = 0;
-    std::iter::from_fn(move || {
-        (tile < tiles).then(|| {
-            let (at, stride) = tile_group_at(tiles, groups, gb, tile, 0);
-            tile += stride / gb;
-            (at, stride, stride / gb, tile - stride / gb)
-        })
+    let panel = a.panel;
+    let at = move |t: usize| tile_group_at(tiles, groups, gb, panel, t, 0);
+    (0..tiles).step_by(PASS_TILES).map(move |first| {
+        let n = (tiles - first).min(PASS_TILES);
+        (
+            first,
+            n,
+            at(first).1,
+            std::array::from_fn(|j| at((first + j).min(tiles - 1)).0),
+        )
     })
 }
 

@@ -173,16 +173,21 @@ pub fn assert_matmul_many_equals_each_alone() {
             cols,
         }),
     );
-    // The first matrix again, tiled (the layout resident 4-bit matrices take under the int8 kernels).
+    // The first matrix again, tiled (the layout resident 4-bit matrices take under the int8 kernels), in
+    // panels of one tile and of four.
     let MatRef::Quant(first) = mats[0] else { unreachable!() };
-    let tiles = sluice_runtime::cpu::tiled::tile(&first).expect("4-bit g64 tiles");
-    mats.push(MatRef::Tiled(sluice_runtime::cpu::TiledMatrix {
-        data: &tiles,
-        scale_type: first.scale_type,
-        group: first.group,
-        rows: first.rows,
-        cols,
-    }));
+    let panels = [1, sluice_runtime::cpu::tiled::PASS_TILES];
+    let tiles = panels.map(|p| sluice_runtime::cpu::tiled::tile(&first, p).expect("4-bit g64 tiles"));
+    for (tiles, panel) in tiles.iter().zip(panels) {
+        mats.push(MatRef::Tiled(sluice_runtime::cpu::TiledMatrix {
+            data: tiles,
+            scale_type: first.scale_type,
+            group: first.group,
+            rows: first.rows,
+            cols,
+            panel,
+        }));
+    }
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     for isa in Isa::available() {
         for n in 1..=5 {
