@@ -1280,27 +1280,20 @@ unsafe fn q4_tiled<const TY: u8, const T: usize, const P: usize>(a: &TiledArgs<'
     for (tile, n, stride, at) in passes(a) {
         // One pass: its tiles P at a time, then the rest two, then one (P = 4 leaves up to three in the last
         // pass).
-        let bases = |j: usize| -> [*const u8; P] { std::array::from_fn(|p| a.data.as_ptr().add(at[j + p])) };
+        let base = |j: usize| a.data.as_ptr().add(at[j]);
         let mut j = 0;
         while j + P <= n {
-            q4_tiles::<TY, T, P>(a, out, ostride, bases(j), stride, tile + j, prefetch);
+            let bases = std::array::from_fn(|p| base(j + p));
+            q4_tiles::<TY, T, P>(a, out, ostride, bases, stride, tile + j, prefetch);
             j += P;
         }
         if P > 2 && j + 2 <= n {
-            let two = std::array::from_fn(|p| a.data.as_ptr().add(at[j + p]));
-            q4_tiles::<TY, T, 2>(a, out, ostride, two, stride, tile + j, prefetch);
+            let bases = [base(j), base(j + 1)];
+            q4_tiles::<TY, T, 2>(a, out, ostride, bases, stride, tile + j, prefetch);
             j += 2;
         }
         while j < n {
-            q4_tiles::<TY, T, 1>(
-                a,
-                out,
-                ostride,
-                [a.data.as_ptr().add(at[j])],
-                stride,
-                tile + j,
-                prefetch,
-            );
+            q4_tiles::<TY, T, 1>(a, out, ostride, [base(j)], stride, tile + j, prefetch);
             j += 1;
         }
     }
