@@ -292,13 +292,15 @@ pub fn kernel_summary() -> String {
 /// `SLUICE_DECODE_PREFETCH=1|0` overrides; results are the same bits either way.
 pub fn decode_prefetch() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        let intel = x86::intel_cpu();
-        #[cfg(not(target_arch = "x86_64"))]
-        let intel = false;
-        decode_prefetch_rule(intel, std::env::var("SLUICE_DECODE_PREFETCH").ok().as_deref())
-    })
+    *ON.get_or_init(|| decode_prefetch_rule(intel_cpu(), std::env::var("SLUICE_DECODE_PREFETCH").ok().as_deref()))
+}
+
+/// Whether this is an Intel x86 CPU (`cpuid` vendor), for the rules above and below.
+fn intel_cpu() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return x86::intel_cpu();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// [`decode_prefetch`] for a CPU that is Intel's or not and the override's value, if set.
@@ -315,19 +317,13 @@ fn decode_prefetch_rule(intel: bool, set: Option<&str>) -> bool {
 }
 
 /// Tiles per panel of the matrices this process tiles (see [`tiled`]): 1 on Intel cores, where the decode
-/// kernel's four tiles read as four streams keep more lines in flight than one (medium decode +13–16% on the
+/// kernel's four tiles read as four streams keep more lines in flight than one (medium decode +18% on the
 /// Sapphire Rapids host), 4 elsewhere, where one sequential stream lets AMD's prefetchers run (10–30% more
 /// weight bytes per second on the AMD EPYC host). `SLUICE_TILE_PANEL=1|4` overrides; results are the same
 /// bits either way.
 pub fn panel_tiles() -> u8 {
     static PANEL: OnceLock<u8> = OnceLock::new();
-    *PANEL.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        let intel = x86::intel_cpu();
-        #[cfg(not(target_arch = "x86_64"))]
-        let intel = false;
-        panel_tiles_rule(intel, std::env::var("SLUICE_TILE_PANEL").ok().as_deref())
-    })
+    *PANEL.get_or_init(|| panel_tiles_rule(intel_cpu(), std::env::var("SLUICE_TILE_PANEL").ok().as_deref()))
 }
 
 /// [`panel_tiles`] for a CPU that is Intel's or not and the override's value, if set.

@@ -9,7 +9,7 @@
 //! plain tile-major order. The decode kernels read four tiles side by side, so with panels of four they read
 //! one sequential stream per matrix, which AMD's prefetchers follow from panel to panel (measured on an AMD
 //! EPYC: 10–30% more weight bytes per second than four streams), while with panels of one they read four
-//! streams at once, which keeps more lines in flight on Intel cores (medium decode +13–16% on the Sapphire
+//! streams at once, which keeps more lines in flight on Intel cores (medium decode +18% on the Sapphire
 //! Rapids host); [`super::panel_tiles`] picks by CPU. The layout moves bytes, never arithmetic: both give
 //! the same bits. One tile's group is its 16 scales, its 16 biases (in the stored float type), then for
 //! each 32-column block of the group 256 bytes of codes: 64-byte vector `k` (0..4) holds, in bytes
