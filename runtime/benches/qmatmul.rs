@@ -70,8 +70,10 @@ fn main() {
         if q8 { "q8" } else { "exact" }
     );
     println!(
-        "matrix {rows}×{cols}, {bits}-bit g{group}, {:.2} MB each, {count} distinct (cache-cold cycle)",
-        bytes_per as f64 / 1e6
+        "matrix {rows}×{cols}, {bits}-bit g{group}, {:.2} MB each, {count} distinct (cache-cold cycle); tiles in \
+         panels of {}",
+        bytes_per as f64 / 1e6,
+        sluice_runtime::cpu::panel_tiles()
     );
     // The tiled copies, when this CPU runs the tiled kernel (the cpu backend's layout for 4-bit matrices).
     let tiles: Vec<Vec<u8>> = match q8 && sluice_runtime::cpu::q8::tiled_kernel_on(Isa::detect()) {

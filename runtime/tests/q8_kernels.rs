@@ -83,8 +83,8 @@ fn tiled_matmul_matches_the_int8_oracle() {
         (128, 33, 256, 4),
         (64, 300, 512, 9),
         (64, 1, 64, 6),
-        // One token reads a panel's four tiles side by side, then the last panel's two and one: 11 tiles, the
-        // last one short; then panels whose last has one tile and two.
+        // One token reads a pass's four tiles side by side, then the last pass's two and one: 11 tiles, the
+        // last one short; then passes whose last has one tile and two.
         (64, 173, 128, 1),
         (64, 80, 128, 1),
         (32, 96, 64, 5),

@@ -30,7 +30,7 @@ pub struct TiledExperts {
 /// (so a tiled record has exactly the stored record's bytes and fits the slot its reads fill), and a shape
 /// whose stored layout this machine's row-major kernel computes to the same bits (records read as stored
 /// then give what tiled ones give).
-fn tiled_layout(isa: Isa, layout: &ExpertLayout, inter: usize, hidden: usize) -> Option<ExpertLayout> {
+fn tiled_layout(isa: Isa, panel: u8, layout: &ExpertLayout, inter: usize, hidden: usize) -> Option<ExpertLayout> {
     let mut formats = layout.formats;
     for (f, (_, (rows, cols))) in formats.iter_mut().zip(layout.matrices(inter, hidden)) {
         match *f {
@@ -45,7 +45,7 @@ fn tiled_layout(isa: Isa, layout: &ExpertLayout, inter: usize, hidden: usize) ->
                 *f = WeightFormat::Tiled {
                     group,
                     scale_type,
-                    panel: crate::cpu::panel_tiles(),
+                    panel,
                 }
             }
             _ => return None,
@@ -57,10 +57,10 @@ fn tiled_layout(isa: Isa, layout: &ExpertLayout, inter: usize, hidden: usize) ->
 impl TiledExperts {
     /// For `(layer, stored layout, intermediate size, hidden size)` of each MoE layer, with the kernels of
     /// `isa`; layers that cannot be tiled are left as stored.
-    pub fn new(isa: Isa, layers: impl IntoIterator<Item = (usize, ExpertLayout, usize, usize)>) -> Self {
+    pub fn new(isa: Isa, panel: u8, layers: impl IntoIterator<Item = (usize, ExpertLayout, usize, usize)>) -> Self {
         let layers = (layers.into_iter())
             .filter_map(|(layer, stored, inter, hidden)| {
-                let tiled = tiled_layout(isa, &stored, inter, hidden)?;
+                let tiled = tiled_layout(isa, panel, &stored, inter, hidden)?;
                 Some((
                     layer,
                     LayerRecords {
@@ -227,19 +227,22 @@ mod tests {
             let as_read: Vec<OwnedBytes> = parts.iter().map(|p| OwnedBytes::from_vec(p.clone())).collect();
             let want = stored.linears(INTER, HIDDEN, &as_read).unwrap();
 
-            let t = TiledExperts::new(Isa::Avx2, [(5, stored, INTER, HIDDEN)]);
-            assert!(t.parts(4, &from).is_none(), "a layer without tiling is left as read");
-            let to = t.parts(5, &from).unwrap();
-            assert!(to.iter().all(|&(at, len)| at + len <= read.len() && at % 64 == 0));
-            let mut slot = read.clone();
-            t.apply(5, &read, &from, &mut slot, &to).unwrap();
+            for panel in [1, 4] {
+                let t = TiledExperts::new(Isa::Avx2, panel, [(5, stored, INTER, HIDDEN)]);
+                assert!(t.parts(4, &from).is_none(), "a layer without tiling is left as read");
+                let to = t.parts(5, &from).unwrap();
+                assert!(to.iter().all(|&(at, len)| at + len <= read.len() && at % 64 == 0));
+                let mut slot = read.clone();
+                t.apply(5, &read, &from, &mut slot, &to).unwrap();
 
-            let slot = OwnedBytes::from_vec(slot);
-            let tiled: Vec<OwnedBytes> = to.iter().map(|&(at, len)| slot.slice(at..at + len).unwrap()).collect();
-            let got = t.layout(5).unwrap().linears(INTER, HIDDEN, &tiled).unwrap();
-            for (name, (g, w)) in ["gate", "up", "down"].iter().zip(got.iter().zip(&want)) {
-                assert!(matches!(g.format, WeightFormat::Tiled { .. }));
-                assert_eq!(rows_of(g), rows_of(w), "fused {fused} g{group} {st:?}: {name}");
+                let slot = OwnedBytes::from_vec(slot);
+                let tiled: Vec<OwnedBytes> = to.iter().map(|&(at, len)| slot.slice(at..at + len).unwrap()).collect();
+                let got = t.layout(5).unwrap().linears(INTER, HIDDEN, &tiled).unwrap();
+                for (name, (g, w)) in ["gate", "up", "down"].iter().zip(got.iter().zip(&want)) {
+                    assert!(matches!(g.format, WeightFormat::Tiled { panel: p, .. } if p == panel));
+                    let what = format!("fused {fused} g{group} {st:?} panels of {panel}: {name}");
+                    assert_eq!(rows_of(g), rows_of(w), "{what}");
+                }
             }
         }
     }
@@ -267,6 +270,7 @@ mod tests {
         // as stored.
         let t = TiledExperts::new(
             Isa::Avx2,
+            4,
             [(0, ok, INTER, HIDDEN), (1, eight, INTER, HIDDEN), (2, ok, 40, HIDDEN)],
         );
         assert!(t.layout(0).is_some() && t.layout(1).is_none() && t.layout(2).is_none());

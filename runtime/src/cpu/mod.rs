@@ -268,7 +268,7 @@ pub fn kernel_summary() -> String {
         _ => "no int8 kernels for this instruction set (AVX2 and AVX-512 only so far): --kernels q8 runs the exact kernels",
     };
     let tiling = match isa {
-        Isa::Avx2 | Isa::Avx512 => {
+        _ if q8::Q8Kernel::for_tiled(isa).is_some() => {
             let panels = match panel_tiles() {
                 1 => "tiles one after another (four streams)",
                 _ => "tiles in panels of four (one stream)",

@@ -5,7 +5,7 @@
 //!
 //! Layout: tiles (rows `16t .. 16t+16`; a short last tile is padded with zero rows) come in panels of
 //! `panel` tiles (1 or 4; the last panel may have fewer), and a panel is stored group by group, its tiles
-//! side by side: group 0 of tiles 0..4, then group 1 of tiles 0..4, and so on. A panel of one tile is the
+//! side by side (in panels of four: group 0 of tiles 0..4, then group 1 of tiles 0..4, and so on). A panel of one tile is the
 //! plain tile-major order. The decode kernels read four tiles side by side, so with panels of four they read
 //! one sequential stream per matrix, which AMD's prefetchers follow from panel to panel (measured on an AMD
 //! EPYC: 10–30% more weight bytes per second than four streams), while with panels of one they read four

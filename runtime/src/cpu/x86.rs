@@ -1230,8 +1230,9 @@ pub(super) fn q4_tiled_rows(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) 
     use super::FloatType as F;
     // SAFETY: the kernel's instruction set (AVX-512 F/BW/VL/VNNI, or AVX2, FMA and F16C) detected above; the
     // asserts bound every read (tiles of `rows`, `tokens` rows of activations, block scales and group sums) and
-    // every write (row < rows, token < tokens at row·ostride + token); prefetches may point past the tiles, by
-    // wrapping arithmetic, and never fault.
+    // every write (row < rows, token < tokens at row·ostride + token), given a panel width of 1 or 4 (asserted),
+    // which gives every tile of a pass the same stride; tile addresses and prefetches are formed by wrapping
+    // arithmetic (with no columns they lie past an empty matrix, unread), and a prefetch never faults.
     unsafe {
         match (a.avx512, a.ty, a.tokens) {
             (true, F::F32, 4) => q4_tiled::<TY_F32, 4, 1>(a, out, ostride),
@@ -1280,7 +1281,7 @@ unsafe fn q4_tiled<const TY: u8, const T: usize, const P: usize>(a: &TiledArgs<'
     for (tile, n, stride, at) in passes(a) {
         // One pass: its tiles P at a time, then the rest two, then one (P = 4 leaves up to three in the last
         // pass).
-        let base = |j: usize| a.data.as_ptr().add(at[j]);
+        let base = |j: usize| a.data.as_ptr().wrapping_add(at[j]);
         let mut j = 0;
         while j + P <= n {
             let bases = std::array::from_fn(|p| base(j + p));
@@ -1394,7 +1395,7 @@ unsafe fn q4_tiled_avx2<const TY: u8, const T: usize>(a: &TiledArgs<'_>, out: &m
     let prefetch = T > 1 || super::decode_prefetch();
     for (tile, n, stride, at) in passes(a) {
         // The pass's tiles, side by side: where each one's first group starts, and its index.
-        let list = |j: usize| (a.data.as_ptr().add(at[j]), tile + j);
+        let list = |j: usize| (a.data.as_ptr().wrapping_add(at[j]), tile + j);
         match (T, n) {
             (1, 4) => q4_tiles_avx2::<TY, T, 4>(a, out, ostride, std::array::from_fn(list), stride, prefetch),
             (1, 3) => q4_tiles_avx2::<TY, T, 3>(a, out, ostride, std::array::from_fn(list), stride, prefetch),
@@ -1445,7 +1446,7 @@ unsafe fn hsum_lanes(v: &[__m256; 8]) -> __m256 {
     _mm256_add_ps(_mm256_add_ps(a, b), _mm256_add_ps(c, d))
 }
 
-/// `P` tiles of one panel (each tile's first group and index in `tiles`, a group `stride` bytes from the next,
+/// `P` tiles of one pass (each tile's first group and index in `tiles`, a group `stride` bytes from the next,
 /// as in [`q4_tiles`]), eight rows per vector: each 32-bit lane of a tile half's `vpmaddubsw`/`vpmaddwd` sums
 /// one row's four columns of a 32-column block, and the block's four vectors sum in i16 (at most 4 × 7620)
 /// before one `vpmaddwd` widens them into the rows' block sums. The float work then runs lane by lane as the
@@ -1495,7 +1496,7 @@ unsafe fn q4_tiles_avx2<const TY: u8, const T: usize, const P: usize>(
                 let blk = g * per_group + kb;
                 let lane = maddubs_lane(blk);
                 if T == 1 {
-                    // One token streams from DRAM: the block's four lines `PREFETCH_AHEAD` on along the panel
+                    // One token streams from DRAM: the block's four lines `PREFETCH_AHEAD` on along the tile's stream
                     // (one thread from DRAM on the AMD EPYC Zen 3 host: 12.1 → 14.6 GB/s, as fast as a plain
                     // sum of the same bytes; into L2 instead, or 16 KiB ahead, was slower).
                     let ahead = codes.wrapping_add(kb * 256 + PREFETCH_AHEAD);

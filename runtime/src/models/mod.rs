@@ -145,7 +145,8 @@ fn expert_tiles(arch: &Architecture, layouts: &[ExpertLayout], opts: &ExpertOpti
     let isa = crate::cpu::Isa::detect();
     let on = opts.backend == BackendKind::Cpu && crate::cpu::q8::tiled_kernel_on(isa);
     let layers = (arch.moe_layers().zip(layouts)).map(|((l, inter), f)| (l, *f, inter, arch.dims.hidden));
-    Some(Arc::new(TiledExperts::new(isa, layers))).filter(|t| on && !t.is_empty())
+    let panel = crate::cpu::panel_tiles();
+    Some(Arc::new(TiledExperts::new(isa, panel, layers))).filter(|t| on && !t.is_empty())
 }
 
 /// The architecture's description function for a `model_type`.
