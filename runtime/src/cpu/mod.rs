@@ -267,20 +267,19 @@ pub fn kernel_summary() -> String {
         }
         _ => "no int8 kernels for this instruction set (AVX2 and AVX-512 only so far): --kernels q8 runs the exact kernels",
     };
-    let tiling = match isa {
-        _ if q8::Q8Kernel::for_tiled(isa).is_some() => {
-            let panels = match panel_tiles() {
-                1 => "tiles one after another (four streams)",
-                _ => "tiles in panels of four (one stream)",
-            };
-            let prefetch = if decode_prefetch() {
-                ", prefetching in decode too"
-            } else {
-                ""
-            };
-            format!("; {panels}{prefetch}")
-        }
-        _ => String::new(),
+    let tiling = if q8::Q8Kernel::for_tiled(isa).is_some() {
+        let panels = match panel_tiles() {
+            1 => "tiles one after another (four streams)",
+            _ => "tiles in panels of four (one stream)",
+        };
+        let prefetch = if decode_prefetch() {
+            ", prefetching in decode too"
+        } else {
+            ""
+        };
+        format!("; {panels}{prefetch}")
+    } else {
+        String::new()
     };
     format!("{}: {int8}{tiling}", format!("{isa:?}").to_ascii_lowercase())
 }
@@ -305,15 +304,24 @@ fn intel_cpu() -> bool {
 
 /// [`decode_prefetch`] for a CPU that is Intel's or not and the override's value, if set.
 fn decode_prefetch_rule(intel: bool, set: Option<&str>) -> bool {
-    match set.map(str::trim) {
-        Some("1" | "on" | "true") => true,
-        Some("0" | "off" | "false") => false,
-        Some(other) => {
-            tracing::warn!("SLUICE_DECODE_PREFETCH={other} is not 0 or 1; using the CPU's default");
-            intel
-        }
-        None => intel,
-    }
+    let parse = |v: &str| match v {
+        "1" | "on" | "true" => Some(true),
+        "0" | "off" | "false" => Some(false),
+        _ => None,
+    };
+    overridden("SLUICE_DECODE_PREFETCH", "0 or 1", set, intel, parse)
+}
+
+/// `set` (an environment variable `name`'s value, if any) read by `parse`, else `default`: a value `parse`
+/// refuses is logged as not `expected` and keeps the default.
+fn overridden<T>(name: &str, expected: &str, set: Option<&str>, default: T, parse: impl Fn(&str) -> Option<T>) -> T {
+    let Some(v) = set.map(str::trim) else {
+        return default;
+    };
+    parse(v).unwrap_or_else(|| {
+        tracing::warn!("{name}={v} is not {expected}; using the CPU's default");
+        default
+    })
 }
 
 /// Tiles per panel of the matrices this process tiles (see [`tiled`]): 1 on Intel cores, where the decode
@@ -329,16 +337,8 @@ pub fn panel_tiles() -> u8 {
 /// [`panel_tiles`] for a CPU that is Intel's or not and the override's value, if set.
 fn panel_tiles_rule(intel: bool, set: Option<&str>) -> u8 {
     let default = if intel { 1 } else { tiled::PASS_TILES as u8 };
-    match set.map(str::trim) {
-        None => default,
-        Some(v) => match v.parse::<u8>() {
-            Ok(p) if tiled::valid_panel(p.into()) => p,
-            _ => {
-                tracing::warn!("SLUICE_TILE_PANEL={v} is not 1 or 4; using the CPU's default");
-                default
-            }
-        },
-    }
+    let parse = |v: &str| v.parse::<u8>().ok().filter(|&p| tiled::valid_panel(p.into()));
+    overridden("SLUICE_TILE_PANEL", "1 or 4", set, default, parse)
 }
 
 /// This machine's DRAM read bandwidth in GB/s, two ways: the best of [`DramProbe::one_stream`] and

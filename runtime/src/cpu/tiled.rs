@@ -3,18 +3,17 @@
 //! activation block. The float work (block scale × group scale, accumulate) is then one vector op per 16 rows
 //! and block, where MLX's row-major layout needs one per row and 128 columns.
 //!
-//! Layout: tiles (rows `16t .. 16t+16`; a short last tile is padded with zero rows) come in panels of
-//! `panel` tiles (1 or 4; the last panel may have fewer), and a panel is stored group by group, its tiles
-//! side by side (in panels of four: group 0 of tiles 0..4, then group 1 of tiles 0..4, and so on). A panel of one tile is the
-//! plain tile-major order. The decode kernels read four tiles side by side, so with panels of four they read
-//! one sequential stream per matrix, which AMD's prefetchers follow from panel to panel (measured on an AMD
-//! EPYC: 10–30% more weight bytes per second than four streams), while with panels of one they read four
-//! streams at once, which keeps more lines in flight on Intel cores (medium decode +18% on the Sapphire
-//! Rapids host); [`super::panel_tiles`] picks by CPU. The layout moves bytes, never arithmetic: both give
-//! the same bits. One tile's group is its 16 scales, its 16 biases (in the stored float type), then for
-//! each 32-column block of the group 256 bytes of codes: 64-byte vector `k` (0..4) holds, in bytes
-//! `4l .. 4l+4` (lane `l`, row `16t + l`), the codes of columns `4k + j` (low nibbles) and `16 + 4k + j`
-//! (high nibbles) of the block.
+//! Layout: tiles (rows `16t .. 16t+16`; a short last tile is padded with zero rows) come in panels of `panel` tiles (1
+//! or 4; the last panel may have fewer), and a panel is stored group by group, its tiles side by side (in panels of
+//! four: group 0 of tiles 0..4, then group 1 of tiles 0..4, and so on). A panel of one tile is the plain tile-major
+//! order. The decode kernels read four tiles side by side, so with panels of four they read one sequential stream per
+//! matrix, which AMD's prefetchers follow from panel to panel (measured on an AMD EPYC: 10–30% more weight bytes per
+//! second than four streams), while with panels of one they read four streams at once, which keeps more lines in flight
+//! on Intel cores (medium decode +18% on the Sapphire Rapids host); [`super::panel_tiles`] picks by CPU. The layout
+//! moves bytes, never arithmetic: both give the same bits. One tile's group is its 16 scales, its 16 biases (in the
+//! stored float type), then for each 32-column block of the group 256 bytes of codes: 64-byte vector `k` (0..4) holds,
+//! in bytes `4l .. 4l+4` (lane `l`, row `16t + l`), the codes of columns `4k + j` (low nibbles) and `16 + 4k + j` (high
+//! nibbles) of the block.
 
 use super::{FloatType, QuantMatrix};
 

@@ -100,9 +100,10 @@ impl EvalGolden {
     }
 }
 
-/// `matmul_many` over matrices of several layouts (4- and 8-bit of two group sizes, bf16 and f16 scales, a
-/// dense one, two tiled ones (panels of one tile and of four), one big enough to split into several tasks) equals each matrix's `matmul` alone, bit for bit, for
-/// 1 to 5 tokens, in parallel and not: with whichever kernels the process has switched on.
+/// `matmul_many` over matrices of several layouts (4- and 8-bit of two group sizes, bf16 and f16 scales, a dense one,
+/// two tiled ones (panels of one tile and of four), one big enough to split into several tasks) equals each matrix's
+/// `matmul` alone, bit for bit, for 1 to 5 tokens, in parallel and not: with whichever kernels the process has switched
+/// on.
 #[allow(dead_code)] // not every test binary uses it
 pub fn assert_matmul_many_equals_each_alone() {
     use rand::{Rng, SeedableRng};
