@@ -4,7 +4,7 @@
 # `large` also measures warm decode (llama.cpp: a second run right after the cold one, its page cache holding
 # what fits; sluice: bench's warm run after its cold one), and prints sluice's bounds (bench's optimal-cache
 # bound and in-RAM compute of the same shape), and runs sluice a second time on the same weights converted to a
-# packed store (`STORE=0` skips it); `medium` prints the weight bytes each decode streams per second
+# packed store (`STORE=0` skips it; `STORE_LAYOUT=mlx|tiled` picks its `--layout`, default `auto`); `medium` prints the weight bytes each decode streams per second
 # for both, against the DRAM probe (bench's `weight_bytes_per_token`, the same for both: identical weights).
 #   compare.sh medium   : 7.7 B Qwen3-MoE (H2048, 24 layers, 64 experts top-8), 4.35 GB: fits in RAM
 #   compare.sh large    : 51.7 B (48 layers, 224 experts top-8), 29 GB: bigger than a 24 GB machine's RAM
@@ -66,7 +66,7 @@ else
   # model). STORE=0 skips it.
   free=$(df --output=avail -BG "$M" | tail -1 | tr -dc 0-9)
   if [ "${STORE:-1}" = 1 ] && [ "$free" -ge 30 ]; then
-    "$SLUICE" convert --model "$MLX" --out "$STORE_DIR" > "$OUT/convert.log" 2>&1
+    "$SLUICE" convert --model "$MLX" --out "$STORE_DIR" --layout "${STORE_LAYOUT:-auto}" > "$OUT/convert.log" 2>&1
     quiet; drop; "$SLUICE" bench -m "$STORE_DIR" -p 16 -n 32 --runs both --json ${SLUICE_FLAGS:-} > "$OUT/sluice-store.json"
     rm -rf "$STORE_DIR"
   elif [ "${STORE:-1}" = 1 ]; then
@@ -120,7 +120,9 @@ if ram:
 sources = [("", sl)]
 if preset == "large" and os.path.exists(f"{out}/sluice-store.json"):
     sources.append((" (packed store)", st))
-    lines.append(f"packed store: disk probe {st.get('disk_probe_gb_s') or 0:.2f} GB/s "
+    layout = "records " + (open(f"{out}/convert.log").read().split("records ", 2)[-1].split(")")[0]
+                           if os.path.exists(f"{out}/convert.log") else "?")
+    lines.append(f"packed store ({layout}): disk probe {st.get('disk_probe_gb_s') or 0:.2f} GB/s "
                  f"(re-read {st.get('disk_reread_gb_s') or 0:.2f}), "
                  f"DRAM probe {st.get('dram_probe_gb_s') or 0:.1f} GB/s")
 for label, run in [(label, r) for label, src in sources for r in src["runs"]]:

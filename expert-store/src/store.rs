@@ -1,6 +1,9 @@
 //! The packed store: one contiguous, 16 KiB-aligned record per (layer, expert) in `experts.bin`, described
 //! by a versioned manifest `sluice-store.json` with a checksum per record. Non-expert weights and the
-//! tokenizer stay in the original model directory, which the manifest references.
+//! tokenizer stay in the original model directory, which the manifest references. A layer's records may be
+//! stored rewritten (e.g. into the layout a compute kernel wants, see [`ConvertOptions::rewrite`]): the
+//! manifest then names that layout and where each rewritten part lies, and such a store is version 2, which
+//! builds that cannot tell layouts apart refuse.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -19,8 +22,9 @@ pub const MANIFEST_FILE: &str = "sluice-store.json";
 pub const DATA_FILE: &str = "experts.bin";
 /// The manifest's `format` field.
 const FORMAT: &str = "sluice-expert-store";
-/// Manifest version this build writes and reads.
-pub const STORE_VERSION: u32 = 1;
+/// Newest manifest version this build reads: 1 (records as the checkpoint holds them) or 2 (some layers'
+/// records stored rewritten, see [`LayerManifest::layout`]).
+pub const STORE_VERSION: u32 = 2;
 /// Alignment of each part inside a record (the same as in an in-place slot).
 const PART_ALIGN: u64 = crate::layout::PART_ALIGN as u64;
 
@@ -52,8 +56,16 @@ pub struct LayerManifest {
     pub layer: usize,
     /// Stored record length (padded).
     pub record_len: u64,
-    /// The tensors each record holds a slice of, in record order.
+    /// The tensors each record holds a slice of, in record order (for a rewritten layer: the slices it was
+    /// written from, at their places before the rewrite).
     pub parts: Vec<PartManifest>,
+    /// The layout the records were rewritten into when written, as the rewrite names it (e.g. `tiled-p1`);
+    /// `None`: each record holds its `parts` as they are.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layout: Option<String>,
+    /// Where a rewritten record's parts lie in it, as (offset, length) (`None` exactly when `layout` is).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stored_parts: Option<Vec<(u64, u64)>>,
     /// One per expert, by expert index.
     pub records: Vec<RecordManifest>,
 }
@@ -124,7 +136,7 @@ impl PackedStore {
                 format!("format is `{}`, expected `{FORMAT}`", manifest.format),
             ));
         }
-        if manifest.version != STORE_VERSION {
+        if !(1..=STORE_VERSION).contains(&manifest.version) {
             return Err(bad(
                 &mpath,
                 format!(
@@ -156,6 +168,20 @@ impl PackedStore {
                 if p.offset.checked_add(p.len).is_none_or(|end| end > l.record_len) {
                     return Err(at(format!("part `{}` lies outside the record", p.tensor)));
                 }
+            }
+            match (&l.layout, &l.stored_parts) {
+                (None, None) => {}
+                (Some(_), Some(_)) if manifest.version < 2 => {
+                    return Err(at(
+                        "names a rewritten layout, which a version 1 store cannot hold".into()
+                    ))
+                }
+                (Some(_), Some(stored)) => {
+                    if (stored.iter()).any(|&(off, len)| off.checked_add(len).is_none_or(|end| end > l.record_len)) {
+                        return Err(at("a rewritten part lies outside the record".into()));
+                    }
+                }
+                _ => return Err(at("`layout` and `stored_parts` come together".into())),
             }
             for (e, r) in l.records.iter().enumerate() {
                 if !r.offset.is_multiple_of(manifest.record_align)
@@ -249,7 +275,10 @@ impl PackedStore {
     pub fn table_over(&self, file: Arc<dyn ReadAt>) -> Result<RecordTable, StoreError> {
         let mut layers = HashMap::new();
         for l in &self.manifest.layers {
-            let parts: Vec<(usize, usize)> = l.parts.iter().map(|p| (p.offset as usize, p.len as usize)).collect();
+            let parts: Vec<(usize, usize)> = match &l.stored_parts {
+                Some(stored) => stored.iter().map(|&(off, len)| (off as usize, len as usize)).collect(),
+                None => l.parts.iter().map(|p| (p.offset as usize, p.len as usize)).collect(),
+            };
             let records = (l.records.iter())
                 .map(|r| RecordLayout {
                     reads: vec![ReadOp {
@@ -320,6 +349,9 @@ pub struct ConvertOptions<'a> {
     pub force: bool,
     /// Called with bytes written so far and the total.
     pub progress: &'a dyn Fn(u64, u64),
+    /// Records of the layers this transform takes are stored rewritten by it, under the layout name given
+    /// (the manifest's [`LayerManifest::layout`]); the others as the checkpoint holds them.
+    pub rewrite: Option<(&'a dyn crate::RecordTransform, &'a str)>,
 }
 
 /// Writes a packed store of `stacks` from `ckpt` into `out`, then re-reads and verifies every record.
@@ -350,30 +382,61 @@ pub fn convert(
     for s in stacks {
         let parts = expected_parts(ckpt, s)?;
         let used = parts.last().map_or(0, |p| p.offset + p.len);
-        let record_len = used.max(1).div_ceil(align) * align;
-        layers.push((s, parts, record_len));
+        let places: Vec<(usize, usize)> = parts.iter().map(|p| (p.offset as usize, p.len as usize)).collect();
+        // Where the rewrite puts the parts, for the layers it takes.
+        let stored = opts.rewrite.and_then(|(t, _)| t.parts(s.layer, &places));
+        let stored_end = (stored.iter().flatten())
+            .map(|&(off, len)| (off + len) as u64)
+            .max()
+            .unwrap_or(0);
+        let record_len = used.max(stored_end).max(1).div_ceil(align) * align;
+        layers.push((s, parts, stored, record_len));
         total += record_len * s.num_experts as u64;
     }
     let tmp = out.join(format!("{DATA_FILE}.partial"));
     // Records are whole aligned blocks written from an aligned buffer, so the data file can bypass the page
     // cache: converting a model bigger than memory then holds one record, not gigabytes of dirty pages.
     let (mut file, mut uncached) = crate::platform::create_uncached(&tmp).map_err(io_err(&tmp))?;
-    let max_record = layers.iter().map(|(_, _, len)| *len).max().unwrap_or(align);
-    let mut buf = crate::SlotBuf::allocate(1, max_record as usize)
-        .and_then(|mut v| v.pop())
-        .ok_or_else(|| bad(&tmp, format!("cannot allocate a {max_record}-byte record buffer")))?;
+    let max_record = layers.iter().map(|(_, _, _, len)| *len).max().unwrap_or(align);
+    let allocate = || {
+        crate::SlotBuf::allocate(1, max_record as usize)
+            .and_then(|mut v| v.pop())
+            .ok_or_else(|| bad(&tmp, format!("cannot allocate a {max_record}-byte record buffer")))
+    };
+    let mut buf = allocate()?;
+    // A rewritten record is assembled here first, as it would be read, and rewritten from here into `buf`.
+    let mut source = match layers.iter().any(|(_, _, stored, _)| stored.is_some()) {
+        true => Some(allocate()?),
+        false => None,
+    };
     let mut offset = 0u64;
     let mut manifest_layers = Vec::new();
-    for (s, parts, record_len) in layers {
+    for (s, parts, stored, record_len) in layers {
         let tensors: Vec<_> = s.tensors.iter().map(|n| ckpt.require(n)).collect::<Result<_, _>>()?;
+        let places: Vec<(usize, usize)> = parts.iter().map(|p| (p.offset as usize, p.len as usize)).collect();
+        let rewrite = opts.rewrite.map(|(t, _)| t).zip(stored.as_ref());
         let mut records = Vec::with_capacity(s.num_experts);
         for e in 0..s.num_experts {
-            let record = &mut buf.as_mut_slice()[..record_len as usize];
-            record.fill(0);
+            let assemble_in = match (rewrite, source.as_mut()) {
+                (Some(_), Some(src)) => src.as_mut_slice(),
+                _ => buf.as_mut_slice(),
+            };
+            let assembled = &mut assemble_in[..record_len as usize];
+            assembled.fill(0);
             for (p, t) in parts.iter().zip(&tensors) {
                 let len = p.len as usize;
                 let src = &t.bytes()[e * len..(e + 1) * len];
-                record[p.offset as usize..p.offset as usize + len].copy_from_slice(src);
+                assembled[p.offset as usize..p.offset as usize + len].copy_from_slice(src);
+            }
+            let record = &mut buf.as_mut_slice()[..record_len as usize];
+            if let (Some((transform, to)), Some(src)) = (rewrite, &source) {
+                record.fill(0);
+                (transform.apply(s.layer, &src.as_ref()[..record_len as usize], &places, record, to)).map_err(|m| {
+                    bad(
+                        ckpt.dir(),
+                        format!("layer {} expert {e} cannot be rewritten: {m}", s.layer),
+                    )
+                })?;
             }
             match file.write_all(record) {
                 Ok(()) => {}
@@ -399,10 +462,13 @@ pub fn convert(
             offset += record_len;
             (opts.progress)(offset, total);
         }
+        let layout = stored.as_ref().and(opts.rewrite).map(|(_, name)| name.to_string());
         manifest_layers.push(LayerManifest {
             layer: s.layer,
             record_len,
             parts,
+            layout,
+            stored_parts: stored.map(|to| to.into_iter().map(|(off, len)| (off as u64, len as u64)).collect()),
             records,
         });
     }
@@ -412,7 +478,12 @@ pub fn convert(
     std::fs::rename(&tmp, &data).map_err(io_err(&data))?;
     let manifest = Manifest {
         format: FORMAT.into(),
-        version: STORE_VERSION,
+        // Version 1 where every record is as the checkpoint holds it: builds from before rewritten layouts
+        // read those stores, and refuse the others.
+        version: match manifest_layers.iter().any(|l| l.layout.is_some()) {
+            true => 2,
+            false => 1,
+        },
         model_dir,
         data_file: DATA_FILE.into(),
         data_len: offset,

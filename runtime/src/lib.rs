@@ -32,7 +32,7 @@ pub mod text;
 pub mod threads;
 pub mod weights;
 
-pub use convert::convert_model;
+pub use convert::{convert_model, StoreLayout};
 pub use error::{ModelError, Result};
 pub use generate::{FinishReason, GenerateParams, GenerationStats, Pipeline, Prompt, DEFAULT_PREFILL_CHUNK};
 pub use location::model_dir;

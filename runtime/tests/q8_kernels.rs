@@ -370,12 +370,13 @@ fn long_prompt_then_decode(m: &sluice_runtime::DecoderModel) -> Vec<f32> {
 /// Resident expert records, tiled as they load, and records streamed through a small cache (in place and from
 /// a packed store, buffered and direct) give the same logits bit for bit on every 4-bit MoE fixture, whether
 /// the stream reads them as stored (decode steps, short prompts: the row-major band kernel computes them) or
-/// tiled (a long prompt's chunk). (That tiles hold the stored weights is `tests/tiled_experts.rs`.)
+/// tiled (a long prompt's chunk); so do records a store holds tiled (`--layout tiled`), streamed or resident.
+/// (That tiles hold the stored weights is `tests/tiled_experts.rs`.)
 #[test]
 fn tiled_expert_records_stream_equal_to_resident() {
     use sluice_runtime::config::ModelConfig;
     use sluice_runtime::cpu::q8::tiled_kernel_on;
-    use sluice_runtime::{convert_model, load_model_with, ExpertMode, ExpertOptions, IoMode};
+    use sluice_runtime::{convert_model, load_model_with, BackendKind, ExpertMode, ExpertOptions, IoMode, StoreLayout};
 
     set_q8_activations(true);
     let tmp = tempfile::tempdir().unwrap();
@@ -397,14 +398,24 @@ fn tiled_expert_records_stream_equal_to_resident() {
         }
         tiled += 1;
         let store = tmp.path().join(format!("store{tiled}"));
-        convert_model(&dir, &store, false, &|_, _| {}).unwrap();
+        convert_model(&dir, &store, false, StoreLayout::Mlx, &|_, _| {}).unwrap();
+        let tiled_store = tmp.path().join(format!("tiled{tiled}"));
+        let t = convert_model(&dir, &tiled_store, false, StoreLayout::Auto, &|_, _| {}).unwrap();
+        assert!(
+            t.manifest().layers.iter().any(|l| l.layout.is_some()) && t.manifest().version == 2,
+            "{}: `auto` stores tiles where the tiled kernel runs",
+            dir.display()
+        );
         let want = (common::prompt_logits(&resident), long_prompt_then_decode(&resident));
-        for (path, io) in [
-            (&dir, IoMode::Buffered),
-            (&dir, IoMode::Direct),
-            (&store, IoMode::Buffered),
+        for (path, mode, io) in [
+            (&dir, ExpertMode::Stream, IoMode::Buffered),
+            (&dir, ExpertMode::Stream, IoMode::Direct),
+            (&store, ExpertMode::Stream, IoMode::Buffered),
+            (&tiled_store, ExpertMode::Stream, IoMode::Direct),
+            (&tiled_store, ExpertMode::Resident, IoMode::Auto),
         ] {
-            let m = load(path, ExpertMode::Stream, Some(256 << 10), io);
+            let cache = (mode == ExpertMode::Stream).then_some(256 << 10);
+            let m = load(path, mode, cache, io);
             assert!(m.info.tiled_experts);
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             let got = (common::prompt_logits(&m), long_prompt_then_decode(&m));
@@ -421,10 +432,32 @@ fn tiled_expert_records_stream_equal_to_resident() {
                 path.display()
             );
         }
+        // Only the int8 kernels read a tiled store: other kernels and backends get an error that says so.
+        set_q8_activations(false);
+        let exact = load_model_with(&tiled_store, config.clone(), &ExpertOptions::default());
+        let e = exact.err().expect("the float kernels refuse a tiled store").to_string();
+        assert!(e.contains("not --kernels exact") && e.contains("--layout mlx"), "{e}");
+        set_q8_activations(true);
+        let mlx = ExpertOptions {
+            backend: BackendKind::Mlx,
+            ..ExpertOptions::default()
+        };
+        let e = load_model_with(&tiled_store, config.clone(), &mlx)
+            .err()
+            .expect("mlx refuses")
+            .to_string();
+        assert!(e.contains("int8 tiles") && e.contains("not the mlx backend"), "{e}");
     }
     if tiled_kernel_on(Isa::detect()) {
         assert!(tiled >= 4, "only {tiled} fixtures had their records tiled");
     } else {
         assert_eq!(tiled, 0, "records tiled where the tiled kernel does not run");
+        // Where no tiled kernel runs, `auto` keeps MLX's layout and `tiled` is refused.
+        let dir = &fixtures()[0];
+        let out = tmp.path().join("auto");
+        let s = convert_model(dir, &out, false, StoreLayout::Auto, &|_, _| {}).unwrap();
+        assert!(s.manifest().layers.iter().all(|l| l.layout.is_none()) && s.manifest().version == 1);
+        let e = convert_model(dir, &tmp.path().join("t"), false, StoreLayout::Tiled, &|_, _| {});
+        assert!(e.err().expect("refused").to_string().contains("--layout mlx"));
     }
 }

@@ -15,7 +15,7 @@ use sluice_runtime::config::ModelConfig;
 use sluice_runtime::sampling::argmax;
 use sluice_runtime::{
     convert_model, load_model_with, DecoderModel, ExpertMode, ExpertOptions, ForwardOptions, GenerateParams, IoMode,
-    Pipeline, PrefetchMode, Prompt,
+    Pipeline, PrefetchMode, Prompt, StoreLayout,
 };
 
 fn load(path: &Path, opts: &ExpertOptions) -> DecoderModel {
@@ -83,14 +83,14 @@ fn streamed_equals_resident_on_every_fixture() {
         let store = tmp.path().join(format!("store{i}"));
         if load(&dir, &mmap()).info.num_experts == 0 {
             // A dense model (qwen3_5) has no experts to stream, and packing it is refused.
-            let e = convert_model(&dir, &store, false, &|_, _| {})
+            let e = convert_model(&dir, &store, false, StoreLayout::Mlx, &|_, _| {})
                 .err()
                 .expect("refused")
                 .to_string();
             assert!(e.contains("no routed experts"), "{e}");
             continue;
         }
-        convert_model(&dir, &store, false, &|_, _| {}).unwrap();
+        convert_model(&dir, &store, false, StoreLayout::Mlx, &|_, _| {}).unwrap();
         // Slot size: the largest record rounded to 16 KiB; a layer's worth is num_experts of them.
         let s = PackedStore::open(&store).unwrap();
         let slot = s.manifest().layers.iter().map(|l| l.record_len).max().unwrap();
@@ -134,7 +134,7 @@ fn counters_account_for_every_read() {
     let dir = fixture("qwen3_moe-q4g64");
     let tmp = tempfile::tempdir().unwrap();
     let store = tmp.path().join("s");
-    convert_model(&dir, &store, false, &|_, _| {}).unwrap();
+    convert_model(&dir, &store, false, StoreLayout::Mlx, &|_, _| {}).unwrap();
     let s = PackedStore::open(&store).unwrap();
     let record = s.manifest().layers[0].record_len;
     let experts = s.manifest().layers[0].records.len() as u64;
@@ -241,7 +241,7 @@ fn read_error_fails_one_generation_and_the_engine_recovers() {
     let dir = fixture("qwen3_moe-q4g64");
     let tmp = tempfile::tempdir().unwrap();
     let store_dir = tmp.path().join("s");
-    let store = convert_model(&dir, &store_dir, false, &|_, _| {}).unwrap();
+    let store = convert_model(&dir, &store_dir, false, StoreLayout::Mlx, &|_, _| {}).unwrap();
     let failing = Arc::new(FailingFile {
         inner: PosixFile::open(&store.data_path(), false).unwrap(),
         ok_reads: AtomicUsize::new(5),
@@ -314,7 +314,7 @@ fn corrupt_stores_are_clear_errors() {
     let dir = fixture("qwen3_moe-q4g64");
     let tmp = tempfile::tempdir().unwrap();
     let store_dir = tmp.path().join("s");
-    let store = convert_model(&dir, &store_dir, false, &|_, _| {}).unwrap();
+    let store = convert_model(&dir, &store_dir, false, StoreLayout::Mlx, &|_, _| {}).unwrap();
     let data = store.data_path();
     let bytes = std::fs::read(&data).unwrap();
 
@@ -371,12 +371,15 @@ fn corrupt_stores_are_clear_errors() {
 
     // Converting over an existing store needs force; a non-empty other directory is refused.
     std::fs::write(&mpath, text).unwrap();
-    let err = convert_model(&dir, &store_dir, false, &|_, _| {})
+    let err = convert_model(&dir, &store_dir, false, StoreLayout::Mlx, &|_, _| {})
         .err()
         .unwrap()
         .to_string();
     assert!(err.contains("--force"), "{err}");
-    convert_model(&dir, &store_dir, true, &|_, _| {}).unwrap();
-    let err = convert_model(&dir, &dir, false, &|_, _| {}).err().unwrap().to_string();
+    convert_model(&dir, &store_dir, true, StoreLayout::Mlx, &|_, _| {}).unwrap();
+    let err = convert_model(&dir, &dir, false, StoreLayout::Mlx, &|_, _| {})
+        .err()
+        .unwrap()
+        .to_string();
     assert!(err.contains("not empty"), "{err}");
 }

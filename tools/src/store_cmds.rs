@@ -7,7 +7,7 @@ use clap::Args;
 use expert_store::PackedStore;
 use indicatif::{ProgressBar, ProgressStyle};
 use sluice_runtime::cpu::kv::KvType;
-use sluice_runtime::{convert_model, BackendKind, ExpertMode, ExpertOptions, IoMode, PrefetchMode};
+use sluice_runtime::{convert_model, BackendKind, ExpertMode, ExpertOptions, IoMode, PrefetchMode, StoreLayout};
 
 /// Flags that choose how experts are served (generate, bench, serve).
 #[derive(Args, Clone, Debug)]
@@ -134,6 +134,12 @@ pub struct ConvertArgs {
     /// Replace a store that already exists at --out.
     #[arg(long)]
     force: bool,
+    /// How records are stored: `tiled` (the int8 kernels' tiles: no record is rewritten as it loads, and decode
+    /// reads tiles too, but only `--kernels q8` on x86-64 with AVX2 or AVX-512 reads the store), `mlx` (as the
+    /// checkpoint holds them: every backend and machine reads it), or `auto` (`tiled` where that kernel runs,
+    /// not on macOS; else `mlx`).
+    #[arg(long, default_value = "auto")]
+    layout: StoreLayout,
 }
 
 /// A byte progress bar on stderr (hidden when stderr is not a terminal).
@@ -151,7 +157,7 @@ pub fn byte_bar(total: u64, what: &str) -> ProgressBar {
 pub fn convert(a: ConvertArgs) -> Result<()> {
     let bar = byte_bar(0, "packing experts");
     let started = std::time::Instant::now();
-    let store = convert_model(&a.model, &a.out, a.force, &|done, total| {
+    let store = convert_model(&a.model, &a.out, a.force, a.layout, &|done, total| {
         bar.set_length(total);
         bar.set_position(done);
     })
@@ -160,13 +166,27 @@ pub fn convert(a: ConvertArgs) -> Result<()> {
     let m = store.manifest();
     let records: usize = m.layers.iter().map(|l| l.records.len()).sum();
     eprintln!(
-        "wrote {} records ({:.2} GB) to {} in {:.1} s and verified every checksum",
+        "wrote {} records ({:.2} GB, {}) to {} in {:.1} s and verified every checksum",
         records,
         m.data_len as f64 / 1e9,
+        layouts(m),
         store.data_path().display(),
         started.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// How a store's layers hold their records, e.g. `tiled-p1 in 48 layers` or `as the checkpoint`.
+fn layouts(m: &expert_store::Manifest) -> String {
+    let tiled: Vec<&str> = m.layers.iter().filter_map(|l| l.layout.as_deref()).collect();
+    match tiled.first() {
+        None => "records as the checkpoint holds them".into(),
+        Some(name) => format!(
+            "records stored as {name} in {} of {} layers",
+            tiled.len(),
+            m.layers.len()
+        ),
+    }
 }
 
 /// Arguments of `sluice inspect`.
@@ -193,6 +213,7 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
         m.record_align,
         m.checksum
     );
+    println!("layout:       {}", layouts(m));
     let mut sizes: Vec<(u64, usize)> = Vec::new();
     for l in &m.layers {
         match sizes.iter_mut().find(|(s, _)| *s == l.record_len) {
@@ -213,6 +234,12 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
                 "  {:<60} {:>5} {:?} +{} ({} bytes)",
                 p.tensor, p.dtype, p.shape, p.offset, p.len
             );
+        }
+        if let (Some(name), Some(stored)) = (&l.layout, &l.stored_parts) {
+            println!("stored as {name} (gate, up, down):");
+            for (off, len) in stored {
+                println!("  +{off} ({len} bytes)");
+            }
         }
     }
     if a.verify {

@@ -347,6 +347,8 @@ fn a_corrupt_expert_record_fails_its_request_and_the_server_keeps_serving() {
     let convert = Command::new(env!("CARGO_BIN_EXE_sluice"))
         .args(["convert", "-m", fixture("qwen3_moe-q4g64").to_str().unwrap(), "-o"])
         .arg(&store)
+        // MLX's layout: these tests run the float kernels (`start_model`), which do not read tiles.
+        .args(["--layout", "mlx"])
         .output()
         .unwrap();
     assert!(convert.status.success(), "{}", String::from_utf8_lossy(&convert.stderr));

@@ -34,10 +34,11 @@ fn convert_inspect_and_generate_from_a_store_match_the_directory() {
     let tmp = tempfile::tempdir().unwrap();
     let store = tmp.path().join("store");
     let s = store.to_str().unwrap();
-    let (_, err) = ok(&["convert", "-m", dir.to_str().unwrap(), "-o", s]);
+    let (_, err) = ok(&["convert", "-m", dir.to_str().unwrap(), "-o", s, "--layout", "mlx"]);
     assert!(err.contains("verified every checksum"), "{err}");
     let (out, _) = ok(&["inspect", s]);
     assert!(out.contains("records:") && out.contains("format version 1"), "{out}");
+    assert!(out.contains("as the checkpoint holds them"), "{out}");
     let (out, _) = ok(&["inspect", "--verify", s]);
     assert!(out.contains("checksums match"), "{out}");
 
@@ -60,9 +61,46 @@ fn convert_inspect_and_generate_from_a_store_match_the_directory() {
         let (got, _) = generate(&dir, &flags);
         assert_eq!(got, want, "in place with {flags:?}");
     }
+    // The default layout: tiles where the int8 kernels read them (the default kernels), which give the
+    // directory's tokens; elsewhere MLX's layout.
+    let tiled = tmp.path().join("tiled");
+    let t = tiled.to_str().unwrap();
+    ok(&["convert", "-m", dir.to_str().unwrap(), "-o", t]);
+    let (out, _) = ok(&["inspect", "--verify", t]);
+    assert!(out.contains("checksums match"), "{out}");
+    if out.contains("stored as tiled-p") {
+        assert!(out.contains("format version 2"), "{out}");
+        let e = fails(&[
+            "generate",
+            "-m",
+            t,
+            "--prompt",
+            "The fox",
+            "-n",
+            "2",
+            "--kernels",
+            "exact",
+        ]);
+        assert!(e.contains("--layout mlx"), "{e}");
+    } else {
+        assert!(out.contains("format version 1"), "{out}");
+    }
+    for flags in [vec![], vec!["--expert-cache", "64KiB", "--direct-io"]] {
+        let (got, _) = generate(&tiled, &flags);
+        assert_eq!(got, want, "default-layout store with {flags:?}");
+    }
     // Overwriting needs --force; a flipped byte is found by inspect --verify.
     assert!(fails(&["convert", "-m", dir.to_str().unwrap(), "-o", s]).contains("--force"));
-    ok(&["convert", "-m", dir.to_str().unwrap(), "-o", s, "--force"]);
+    ok(&[
+        "convert",
+        "-m",
+        dir.to_str().unwrap(),
+        "-o",
+        s,
+        "--force",
+        "--layout",
+        "mlx",
+    ]);
     let data = store.join("experts.bin");
     let mut bytes = std::fs::read(&data).unwrap();
     bytes[20000] ^= 1;

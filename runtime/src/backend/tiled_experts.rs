@@ -1,7 +1,8 @@
-//! The cpu backend's expert records, rewritten into the int8 kernels' 16-row tiles (`crate::cpu::tiled`) by
-//! the expert store's I/O threads as each read lands. The files keep MLX's layout, which every backend and
-//! `--experts mmap` read; only the slots hold tiles, so nothing about the store changes and the rewrite costs
-//! one pass over each record read (not per use: a cached record stays tiled).
+//! The cpu backend's expert records in the int8 kernels' 16-row tiles (`crate::cpu::tiled`): rewritten by the
+//! expert store's I/O threads as each read lands (a model directory, or a packed store in MLX's layout, which
+//! every backend and `--experts mmap` read; the rewrite costs one pass over each record read, so only a
+//! prompt's chunks ask for it), or stored tiled by `sluice convert --layout tiled`, so that every read, a
+//! decode step's too, lands in the kernels' layout at no cost (only the int8 kernels read such a store).
 
 use std::collections::HashMap;
 
@@ -24,13 +25,31 @@ struct LayerRecords {
 #[derive(Debug, Default)]
 pub struct TiledExperts {
     layers: HashMap<usize, LayerRecords>,
+    panel: u8,
 }
 
-/// `layout`'s records as tiles: every matrix 4-bit with whole 32-column blocks per group, whole 16-row tiles
-/// (so a tiled record has exactly the stored record's bytes and fits the slot its reads fill), and a shape
-/// whose stored layout this machine's row-major kernel computes to the same bits (records read as stored
-/// then give what tiled ones give).
-fn tiled_layout(isa: Isa, panel: u8, layout: &ExpertLayout, inter: usize, hidden: usize) -> Option<ExpertLayout> {
+/// The name a packed store's manifest gives records tiled in panels of `panel` (its `layout` field).
+pub fn store_layout_name(panel: u8) -> String {
+    format!("tiled-p{panel}")
+}
+
+/// The panel width of records a store holds under the layout `name`; `None`: not a tiled layout this build
+/// reads.
+pub fn stored_panel(name: &str) -> Option<u8> {
+    let panel: u8 = name.strip_prefix("tiled-p")?.parse().ok()?;
+    tiled::valid_panel(panel.into()).then_some(panel)
+}
+
+/// `layout`'s records as tiles in panels of `panel`: every matrix 4-bit with whole 32-column blocks per
+/// group and whole 16-row tiles (so a tiled record has exactly the stored record's bytes and fits the slot its
+/// reads fill), and `same_bits(group, rows, cols)` for each.
+pub fn tiled_formats(
+    panel: u8,
+    layout: &ExpertLayout,
+    inter: usize,
+    hidden: usize,
+    same_bits: impl Fn(usize, usize, usize) -> bool,
+) -> Option<ExpertLayout> {
     let mut formats = layout.formats;
     for (f, (_, (rows, cols))) in formats.iter_mut().zip(layout.matrices(inter, hidden)) {
         match *f {
@@ -38,10 +57,7 @@ fn tiled_layout(isa: Isa, panel: u8, layout: &ExpertLayout, inter: usize, hidden
                 bits,
                 group,
                 scale_type,
-            } if tiled::tiles(bits, group, cols)
-                && rows % tiled::TILE_ROWS == 0
-                && crate::cpu::q8::stored_matches_tiled(isa, group, rows, cols) =>
-            {
+            } if tiled::tiles(bits, group, cols) && rows % tiled::TILE_ROWS == 0 && same_bits(group, rows, cols) => {
                 *f = WeightFormat::Tiled {
                     group,
                     scale_type,
@@ -56,11 +72,14 @@ fn tiled_layout(isa: Isa, panel: u8, layout: &ExpertLayout, inter: usize, hidden
 
 impl TiledExperts {
     /// For `(layer, stored layout, intermediate size, hidden size)` of each MoE layer, with the kernels of
-    /// `isa`; layers that cannot be tiled are left as stored.
+    /// `isa`, in panels of `panel`; layers that cannot be tiled, or whose stored layout `isa`'s row-major kernel
+    /// would not compute to the tiled kernel's bits (records read as stored must give what tiled ones give),
+    /// are left as stored.
     pub fn new(isa: Isa, panel: u8, layers: impl IntoIterator<Item = (usize, ExpertLayout, usize, usize)>) -> Self {
+        let same_bits = |group, rows, cols| crate::cpu::q8::stored_matches_tiled(isa, group, rows, cols);
         let layers = (layers.into_iter())
             .filter_map(|(layer, stored, inter, hidden)| {
-                let tiled = tiled_layout(isa, panel, &stored, inter, hidden)?;
+                let tiled = tiled_formats(panel, &stored, inter, hidden, same_bits)?;
                 Some((
                     layer,
                     LayerRecords {
@@ -72,7 +91,12 @@ impl TiledExperts {
                 ))
             })
             .collect();
-        Self { layers }
+        Self { layers, panel }
+    }
+
+    /// The name of this tiling as a packed store's manifest gives it.
+    pub fn store_layout_name(&self) -> String {
+        store_layout_name(self.panel)
     }
 
     /// The layout `layer`'s records have once loaded (`None`: as stored).

@@ -35,7 +35,12 @@ pub fn has_kernel(q: &QuantMatrix<'_>, isa: Isa) -> bool {
 
 /// Whether int8 activations are on and the tiled 4-bit kernel runs on `isa` (so tiling resident matrices pays).
 pub fn tiled_kernel_on(isa: Isa) -> bool {
-    q8_activations() && cfg!(target_arch = "x86_64") && Q8Kernel::for_tiled(isa).is_some()
+    q8_activations() && tiled_kernel_here(isa)
+}
+
+/// Whether `isa` has the tiled 4-bit kernel (it runs when int8 activations are on).
+pub fn tiled_kernel_here(isa: Isa) -> bool {
+    cfg!(target_arch = "x86_64") && Q8Kernel::for_tiled(isa).is_some()
 }
 
 /// Whether a stored (row-major) 4-bit `[rows, cols]` matrix in groups of `group` gets, on `isa`, the bits its

@@ -4,15 +4,16 @@ mod mixtral;
 mod qwen3_moe;
 mod qwen3_next;
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
-use expert_store::{ExpertSource, StackedExperts};
+use expert_store::{ExpertSource, PackedStore, StackedExperts};
 
 use crate::attention::{Attention, AttnSpec};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::reference::ReferenceBackend;
-use crate::backend::tiled_experts::TiledExperts;
+use crate::backend::tiled_experts::{stored_panel, tiled_formats, TiledExperts};
 use crate::backend::Backend;
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
@@ -70,6 +71,11 @@ pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &Expe
         ModelLocation::Store(store, _) => Some(store.as_ref()),
         ModelLocation::Dir(_) => None,
     };
+    let stored_tiled = store.is_some_and(|s| s.manifest().layers.iter().any(|l| l.layout.is_some()));
+    let layouts = match store {
+        Some(s) => store_layouts(s, &arch, layouts, opts)?,
+        None => layouts,
+    };
     let tiles = expert_tiles(&arch, &layouts, opts);
     let rewrite = tiles.clone().map(|t| t as Arc<dyn expert_store::RecordTransform>);
     let opened = open_source(
@@ -96,7 +102,7 @@ pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &Expe
         num_layers: d.layers,
         moe_layers: stacks.len(),
         expert_record_bytes: crate::expert_source::record_bytes(weights.checkpoint(), &stacks, store),
-        tiled_experts: tiles.is_some(),
+        tiled_experts: tiles.is_some() || stored_tiled,
     };
     let parts = Parts {
         w: &weights,
@@ -144,9 +150,71 @@ pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &Expe
 fn expert_tiles(arch: &Architecture, layouts: &[ExpertLayout], opts: &ExpertOptions) -> Option<Arc<TiledExperts>> {
     let isa = crate::cpu::Isa::detect();
     let on = opts.backend == BackendKind::Cpu && crate::cpu::q8::tiled_kernel_on(isa);
+    Some(Arc::new(tiled_experts(arch, layouts, isa))).filter(|t| on && !t.is_empty())
+}
+
+/// The tiling of `layouts` (one per MoE layer) for `isa`'s kernels, in the panels this CPU reads fastest.
+pub(crate) fn tiled_experts(arch: &Architecture, layouts: &[ExpertLayout], isa: crate::cpu::Isa) -> TiledExperts {
     let layers = (arch.moe_layers().zip(layouts)).map(|((l, inter), f)| (l, *f, inter, arch.dims.hidden));
-    let panel = crate::cpu::panel_tiles();
-    Some(Arc::new(TiledExperts::new(isa, panel, layers))).filter(|t| on && !t.is_empty())
+    TiledExperts::new(isa, crate::cpu::panel_tiles(), layers)
+}
+
+/// How `store`'s records form each MoE layer's matrices: as the checkpoint's (`layouts`) for layers stored as
+/// they are, in tiles for layers the store holds tiled, which only the cpu backend's int8 kernels and the
+/// reference backend read (elsewhere: a clear error naming the way out).
+fn store_layouts(
+    store: &PackedStore,
+    arch: &Architecture,
+    layouts: Vec<ExpertLayout>,
+    opts: &ExpertOptions,
+) -> Result<Vec<ExpertLayout>> {
+    let by_layer: HashMap<usize, &expert_store::LayerManifest> =
+        store.manifest().layers.iter().map(|l| (l.layer, l)).collect();
+    let isa = crate::cpu::Isa::detect();
+    let what = || format!("{}", store.dir().display());
+    (arch.moe_layers().zip(layouts))
+        .map(|((layer, inter), stored)| {
+            let Some(m) = by_layer.get(&layer).filter(|m| m.layout.is_some()) else {
+                return Ok(stored);
+            };
+            let name = m.layout.as_deref().unwrap_or_default();
+            let tiled = (stored_panel(name))
+                .and_then(|panel| tiled_formats(panel, &stored, inter, arch.dims.hidden, |_, _, _| true))
+                .ok_or_else(|| {
+                    ModelError::InvalidArgument(format!(
+                        "{}: layer {layer}'s expert records are stored as `{name}`, which this build cannot read for \
+                         this model; convert the model directory again",
+                        what()
+                    ))
+                })?;
+            let want: Vec<u64> = (tiled.matrices(inter, arch.dims.hidden).iter())
+                .map(|&(f, (rows, cols))| f.part_bytes(rows, cols)[0] as u64)
+                .collect();
+            let got: Vec<u64> = m.stored_parts.iter().flatten().map(|&(_, len)| len).collect();
+            if got != want {
+                return Err(ModelError::InvalidArgument(format!(
+                    "{}: layer {layer}'s tiled records have parts of {got:?} bytes, the model's matrices need {want:?}",
+                    what()
+                )));
+            }
+            let refused = match opts.backend {
+                BackendKind::Reference => None,
+                BackendKind::Mlx => Some("the mlx backend".to_string()),
+                BackendKind::Cpu if !crate::cpu::q8::q8_activations() => Some("--kernels exact".into()),
+                BackendKind::Cpu if !crate::cpu::q8::tiled_kernel_here(isa) => Some(format!("this CPU's {isa:?} kernels")),
+                BackendKind::Cpu => None,
+            };
+            if let Some(reader) = refused {
+                return Err(ModelError::InvalidArgument(format!(
+                    "{}: its expert records are stored in the cpu backend's int8 tiles (`{name}`), which only the int8 \
+                     kernels (--kernels q8, x86-64 with AVX2 or AVX-512) read, not {reader}; serve the model directory, \
+                     or a store converted with --layout mlx",
+                    what(),
+                )));
+            }
+            Ok(tiled)
+        })
+        .collect()
 }
 
 /// The architecture's description function for a `model_type`.
