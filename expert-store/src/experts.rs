@@ -459,25 +459,22 @@ mod tests {
         // A manifest must not half-name a rewrite, and a version 1 store cannot hold one.
         let mpath = out.join(crate::MANIFEST_FILE);
         let text = std::fs::read_to_string(&mpath).unwrap();
-        let mut json: serde_json::Value = serde_json::from_str(&text).unwrap();
-        json["layers"][0].as_object_mut().unwrap().remove("stored_parts");
-        std::fs::write(&mpath, json.to_string()).unwrap();
-        let e = PackedStore::open(&out).err().unwrap().to_string();
-        assert!(e.contains("`layout` and `stored_parts` come together"), "{e}");
-        let mut json: serde_json::Value = serde_json::from_str(&text).unwrap();
-        json["version"] = 1.into();
-        std::fs::write(&mpath, json.to_string()).unwrap();
-        let e = PackedStore::open(&out).err().unwrap().to_string();
-        assert!(e.contains("version 1 store"), "{e}");
-        let mut json: serde_json::Value = serde_json::from_str(&text).unwrap();
-        json["layers"][0]["stored_parts"][0][0] = 16384.into();
-        std::fs::write(&mpath, json.to_string()).unwrap();
-        let e = PackedStore::open(&out).err().unwrap().to_string();
-        assert!(e.contains("a rewritten part lies outside the record"), "{e}");
-        let mut json: serde_json::Value = serde_json::from_str(&text).unwrap();
-        json["version"] = 3.into();
-        std::fs::write(&mpath, json.to_string()).unwrap();
-        let e = PackedStore::open(&out).err().unwrap().to_string();
-        assert!(e.contains("store version 3 is not supported"), "{e}");
+        let refused = |edit: &dyn Fn(&mut serde_json::Value), why: &str| {
+            let mut json: serde_json::Value = serde_json::from_str(&text).unwrap();
+            edit(&mut json);
+            std::fs::write(&mpath, json.to_string()).unwrap();
+            let e = PackedStore::open(&out).err().expect("refused").to_string();
+            assert!(e.contains(why), "{e}");
+        };
+        refused(
+            &|j| drop(j["layers"][0].as_object_mut().unwrap().remove("stored_parts")),
+            "`layout` and `stored_parts` come together",
+        );
+        refused(&|j| j["version"] = 1.into(), "version 1 store");
+        refused(
+            &|j| j["layers"][0]["stored_parts"][0][0] = 16384.into(),
+            "a rewritten part lies outside the record",
+        );
+        refused(&|j| j["version"] = 3.into(), "store version 3 is not supported");
     }
 }

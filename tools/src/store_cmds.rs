@@ -228,7 +228,8 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
         );
     }
     if let Some(l) = m.layers.first() {
-        println!("parts (layer {}, {} experts):", l.layer, l.records.len());
+        let from = if l.layout.is_some() { ", written from" } else { "" };
+        println!("parts (layer {}, {} experts{from}):", l.layer, l.records.len());
         for p in &l.parts {
             println!(
                 "  {:<60} {:>5} {:?} +{} ({} bytes)",
