@@ -74,7 +74,7 @@ else
   fi
 fi
 "$PY" - "$OUT" "$PRESET" <<'PY'
-import json, sys, os
+import json, sys, os, re
 out, preset = sys.argv[1], sys.argv[2]
 ll = json.load(open(f"{out}/llama.json")); sl = json.load(open(f"{out}/sluice.json"))
 tg = max(r["avg_ts"] for r in ll if r["n_gen"] > 0)
@@ -120,8 +120,9 @@ if ram:
 sources = [("", sl)]
 if preset == "large" and os.path.exists(f"{out}/sluice-store.json"):
     sources.append((" (packed store)", st))
-    layout = "records " + (open(f"{out}/convert.log").read().split("records ", 2)[-1].split(")")[0]
-                           if os.path.exists(f"{out}/convert.log") else "?")
+    log = open(f"{out}/convert.log").read() if os.path.exists(f"{out}/convert.log") else ""
+    found = re.search(r"GB, (records [^)]*)\)", log)
+    layout = found.group(1) if found else "layout not in convert.log"
     lines.append(f"packed store ({layout}): disk probe {st.get('disk_probe_gb_s') or 0:.2f} GB/s "
                  f"(re-read {st.get('disk_reread_gb_s') or 0:.2f}), "
                  f"DRAM probe {st.get('dram_probe_gb_s') or 0:.1f} GB/s")

@@ -126,7 +126,8 @@ impl RecordLayout {
 
 /// Rewrites records into their slots after each read lands and passes its checksum, e.g. into the layout a
 /// compute kernel wants: the engine's I/O threads do it once per read, so the decode step only ever sees the
-/// rewritten layout, and the file keeps the layout every backend reads.
+/// rewritten layout, and the file keeps the layout every backend reads. (`convert` can also apply one as it
+/// writes a store: [`crate::ConvertOptions::rewrite`].)
 pub trait RecordTransform: Send + Sync {
     /// Where the parts of `layer`'s records go, given where they are as read (`None`: they stay as read).
     fn parts(&self, layer: usize, read: &[(usize, usize)]) -> Option<Vec<(usize, usize)>>;

@@ -80,7 +80,7 @@ pub fn convert_model(
                      ({isa:?}) do not read it: convert with --layout mlx"
                 )));
             }
-            Some(crate::models::tiled_experts(&arch, &layouts, isa))
+            Some(crate::models::tiled_experts(&arch, &layouts, isa, true))
         }
         _ => None,
     };

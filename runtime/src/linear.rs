@@ -19,7 +19,7 @@ pub enum WeightFormat {
         scale_type: FloatType,
     },
     /// 4-bit MLX affine repacked into 16-row tiles for the cpu backend's int8 kernels (`crate::cpu::tiled`);
-    /// made at load from `Affine`, never stored.
+    /// made at load from `Affine`, or stored so in a packed store converted with `--layout tiled`.
     Tiled {
         /// Columns per group.
         group: usize,

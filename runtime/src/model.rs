@@ -61,7 +61,8 @@ pub struct ModelInfo {
     pub moe_layers: usize,
     /// Bytes of the largest expert record (what one miss reads).
     pub expert_record_bytes: u64,
-    /// Expert records are rewritten into the int8 kernels' tiles as they load (cpu backend, 4-bit records).
+    /// Expert records reach the kernels in the int8 kernels' tiles: rewritten as they load (cpu backend, 4-bit
+    /// records), or stored so (a store converted with `--layout tiled`).
     pub tiled_experts: bool,
 }
 

@@ -461,7 +461,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
 /// What streaming from a checkpoint costs against a packed store (printed by `bench` and `doctor`).
 pub(crate) const PACKED_STORE_HINT: &str = "streamed from a checkpoint, each record is one read per tensor \
      (weights, scales, biases); a packed store (`sluice convert`) reads it in one, faster on disks that pay per \
-     read, and on x86-64 holds it in the int8 kernels' tiles, which decode computes faster (README, \"Packed \
+     read, and on x86-64 with AVX2 or AVX-512 holds it in the int8 kernels' tiles, which decode computes faster (README, \"Packed \
      stores\")";
 
 /// Resident bytes one decode step reads, as `doctor` sizes them: from the model directory's `config.json` (a

@@ -176,7 +176,7 @@ pub fn convert(a: ConvertArgs) -> Result<()> {
     Ok(())
 }
 
-/// How a store's layers hold their records, e.g. `tiled-p1 in 48 layers` or `as the checkpoint`.
+/// How a store's layers hold their records, e.g. `records stored as tiled-p1 in 48 of 48 layers`.
 fn layouts(m: &expert_store::Manifest) -> String {
     let tiled: Vec<&str> = m.layers.iter().filter_map(|l| l.layout.as_deref()).collect();
     match tiled.first() {

@@ -1,8 +1,8 @@
 //! The cpu backend's expert records in the int8 kernels' 16-row tiles (`crate::cpu::tiled`): rewritten by the
-//! expert store's I/O threads as each read lands (a model directory, or a packed store in MLX's layout, which
-//! every backend and `--experts mmap` read; the rewrite costs one pass over each record read, so only a
-//! prompt's chunks ask for it), or stored tiled by `sluice convert --layout tiled`, so that every read, a
-//! decode step's too, lands in the kernels' layout at no cost (only the int8 kernels read such a store).
+//! expert store's I/O threads as each read lands (from a model directory, or a packed store in MLX's layout,
+//! which every backend reads; the rewrite costs one pass over each record read, so only a prompt's chunks ask
+//! for it), or stored tiled by `sluice convert --layout tiled`, so that every read, a decode step's too, lands
+//! in the kernels' layout at no cost (only the int8 kernels and the reference backend read such a store).
 
 use std::collections::HashMap;
 
@@ -76,7 +76,31 @@ impl TiledExperts {
     /// would not compute to the tiled kernel's bits (records read as stored must give what tiled ones give),
     /// are left as stored.
     pub fn new(isa: Isa, panel: u8, layers: impl IntoIterator<Item = (usize, ExpertLayout, usize, usize)>) -> Self {
-        let same_bits = |group, rows, cols| crate::cpu::q8::stored_matches_tiled(isa, group, rows, cols);
+        Self::with_rule(panel, layers, |group, rows, cols| {
+            crate::cpu::q8::stored_matches_tiled(isa, group, rows, cols)
+        })
+    }
+
+    /// [`TiledExperts::new`] for a packed store, which may be read on another x86-64 CPU: a layer is tiled only
+    /// where both `isa`'s and AVX2's row-major kernels give the tiled kernel's bits, so the store computes what
+    /// the model directory does on either.
+    pub fn for_store(
+        isa: Isa,
+        panel: u8,
+        layers: impl IntoIterator<Item = (usize, ExpertLayout, usize, usize)>,
+    ) -> Self {
+        Self::with_rule(panel, layers, |group, rows, cols| {
+            [isa, Isa::Avx2]
+                .iter()
+                .all(|&i| crate::cpu::q8::stored_matches_tiled(i, group, rows, cols))
+        })
+    }
+
+    fn with_rule(
+        panel: u8,
+        layers: impl IntoIterator<Item = (usize, ExpertLayout, usize, usize)>,
+        same_bits: impl Fn(usize, usize, usize) -> bool + Copy,
+    ) -> Self {
         let layers = (layers.into_iter())
             .filter_map(|(layer, stored, inter, hidden)| {
                 let tiled = tiled_formats(panel, &stored, inter, hidden, same_bits)?;
@@ -298,6 +322,21 @@ mod tests {
             [(0, ok, INTER, HIDDEN), (1, eight, INTER, HIDDEN), (2, ok, 40, HIDDEN)],
         );
         assert!(t.layout(0).is_some() && t.layout(1).is_none() && t.layout(2).is_none());
+
+        // A store tiles only what every x86-64 kernel computes alike: 96 columns in groups of 32 are whole
+        // tiles and one AVX-512 band step, but not whole 64-column chunks of the AVX2 row-major kernel.
+        let g32 = ExpertLayout {
+            formats: [q4(32, FloatType::BF16); 3],
+            fused: false,
+        };
+        let tiled = |t: TiledExperts| t.layout(0).is_some();
+        assert!(!tiled(TiledExperts::new(Isa::Avx2, 1, [(0, g32, INTER, 96)])));
+        assert!(!tiled(TiledExperts::for_store(Isa::Avx512, 1, [(0, g32, INTER, 96)])));
+        assert!(tiled(TiledExperts::for_store(
+            Isa::Avx512,
+            1,
+            [(0, g32, INTER, HIDDEN)]
+        )));
 
         // A record whose parts are short is an error, not a panic.
         let parts = [

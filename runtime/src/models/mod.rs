@@ -73,7 +73,11 @@ pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &Expe
     };
     let stored_tiled = store.is_some_and(|s| s.manifest().layers.iter().any(|l| l.layout.is_some()));
     let layouts = match store {
-        Some(s) => store_layouts(s, &arch, layouts, opts)?,
+        Some(s) => {
+            // A store of another model is told so before its layouts are read.
+            s.check_against(weights.checkpoint(), &stacks)?;
+            store_layouts(s, &arch, layouts, opts)?
+        }
         None => layouts,
     };
     let tiles = expert_tiles(&arch, &layouts, opts);
@@ -150,13 +154,22 @@ pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &Expe
 fn expert_tiles(arch: &Architecture, layouts: &[ExpertLayout], opts: &ExpertOptions) -> Option<Arc<TiledExperts>> {
     let isa = crate::cpu::Isa::detect();
     let on = opts.backend == BackendKind::Cpu && crate::cpu::q8::tiled_kernel_on(isa);
-    Some(Arc::new(tiled_experts(arch, layouts, isa))).filter(|t| on && !t.is_empty())
+    Some(Arc::new(tiled_experts(arch, layouts, isa, false))).filter(|t| on && !t.is_empty())
 }
 
-/// The tiling of `layouts` (one per MoE layer) for `isa`'s kernels, in the panels this CPU reads fastest.
-pub(crate) fn tiled_experts(arch: &Architecture, layouts: &[ExpertLayout], isa: crate::cpu::Isa) -> TiledExperts {
+/// The tiling of `layouts` (one per MoE layer) for `isa`'s kernels, in the panels this CPU reads fastest; for
+/// a packed store (`for_store`) only where the result is the same on every x86-64 CPU with the tiled kernel.
+pub(crate) fn tiled_experts(
+    arch: &Architecture,
+    layouts: &[ExpertLayout],
+    isa: crate::cpu::Isa,
+    for_store: bool,
+) -> TiledExperts {
     let layers = (arch.moe_layers().zip(layouts)).map(|((l, inter), f)| (l, *f, inter, arch.dims.hidden));
-    TiledExperts::new(isa, crate::cpu::panel_tiles(), layers)
+    match for_store {
+        true => TiledExperts::for_store(isa, crate::cpu::panel_tiles(), layers),
+        false => TiledExperts::new(isa, crate::cpu::panel_tiles(), layers),
+    }
 }
 
 /// How `store`'s records form each MoE layer's matrices: as the checkpoint's (`layouts`) for layers stored as
