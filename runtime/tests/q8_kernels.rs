@@ -453,7 +453,7 @@ fn tiled_expert_records_stream_equal_to_resident() {
     } else {
         assert_eq!(tiled, 0, "records tiled where the tiled kernel does not run");
         // Where no tiled kernel runs, `auto` keeps MLX's layout and `tiled` is refused.
-        let dir = &fixtures()[0];
+        let dir = &common::fixture("qwen3_moe-q4g64");
         let out = tmp.path().join("auto");
         let s = convert_model(dir, &out, false, StoreLayout::Auto, &|_, _| {}).unwrap();
         assert!(s.manifest().layers.iter().all(|l| l.layout.is_none()) && s.manifest().version == 1);
