@@ -162,8 +162,15 @@ fn counters_account_for_every_read() {
     let c = m.expert_counters().unwrap();
     trace(&m, 8);
     let snap = c.snapshot();
-    assert!(snap.prefetch_issued > 0, "{snap:?}");
-    assert_eq!(snap.prefetch_bytes, snap.prefetch_issued * record, "{snap:?}");
+    assert!(snap.prefetch_issued > 0 && snap.prefetch_bytes > 0, "{snap:?}");
+    // Every read is one whole record. A guess read as a guess counts its bytes there; one cancelled unread (its
+    // layer came first and did not want it) or promoted to a demand read (wanted before its turn) does not, and
+    // which of these happens depends on timing.
+    assert_eq!(snap.demand_bytes + snap.prefetch_bytes, snap.reads * record, "{snap:?}");
+    assert!(
+        snap.prefetch_bytes <= (snap.prefetch_issued - snap.prefetch_cancelled) * record,
+        "{snap:?}"
+    );
     assert!(snap.prefetch_hits <= snap.prefetch_issued);
     assert!(
         snap.prefetch_wasted <= snap.prefetch_issued - snap.prefetch_hits,
