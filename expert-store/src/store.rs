@@ -390,14 +390,14 @@ pub fn convert(
             .max()
             .unwrap_or(0);
         let record_len = used.max(stored_end).max(1).div_ceil(align) * align;
-        layers.push((s, parts, stored, record_len));
+        layers.push((s, parts, places, stored, record_len));
         total += record_len * s.num_experts as u64;
     }
     let tmp = out.join(format!("{DATA_FILE}.partial"));
     // Records are whole aligned blocks written from an aligned buffer, so the data file can bypass the page
     // cache: converting a model bigger than memory then holds one record, not gigabytes of dirty pages.
     let (mut file, mut uncached) = crate::platform::create_uncached(&tmp).map_err(io_err(&tmp))?;
-    let max_record = layers.iter().map(|(_, _, _, len)| *len).max().unwrap_or(align);
+    let max_record = layers.iter().map(|(_, _, _, _, len)| *len).max().unwrap_or(align);
     let allocate = || {
         crate::SlotBuf::allocate(1, max_record as usize)
             .and_then(|mut v| v.pop())
@@ -405,15 +405,14 @@ pub fn convert(
     };
     let mut buf = allocate()?;
     // A rewritten record is assembled here first, as it would be read, and rewritten from here into `buf`.
-    let mut source = match layers.iter().any(|(_, _, stored, _)| stored.is_some()) {
+    let mut source = match layers.iter().any(|(_, _, _, stored, _)| stored.is_some()) {
         true => Some(allocate()?),
         false => None,
     };
     let mut offset = 0u64;
     let mut manifest_layers = Vec::new();
-    for (s, parts, stored, record_len) in layers {
+    for (s, parts, places, stored, record_len) in layers {
         let tensors: Vec<_> = s.tensors.iter().map(|n| ckpt.require(n)).collect::<Result<_, _>>()?;
-        let places: Vec<(usize, usize)> = parts.iter().map(|p| (p.offset as usize, p.len as usize)).collect();
         let rewrite = opts.rewrite.map(|(t, _)| t).zip(stored.as_ref());
         let mut records = Vec::with_capacity(s.num_experts);
         for e in 0..s.num_experts {

@@ -22,7 +22,7 @@ pub(crate) struct OpenedSource {
 
 /// Builds the expert source for `stacks` per `opts`. `footprint` holds the model's KV and state sizes; its
 /// weight sizes are filled in here from the checkpoint. Streamed records are rewritten by `rewrite` as they
-/// land, when given.
+/// land, when given. A `store` has been checked against `stacks` by the caller (`PackedStore::check_against`).
 pub(crate) fn open_source(
     ckpt: &Arc<Checkpoint>,
     stacks: &[StackedExperts],
@@ -67,7 +67,6 @@ pub(crate) fn open_source(
                     "--experts mmap views a model directory in place; a packed store is read with pread".into(),
                 ));
             }
-            s.check_against(ckpt, stacks)?;
             open_table(|d| s.table(d), direct, opts.io)?
         }
         None if opts.mode == ExpertMode::Mmap => {
