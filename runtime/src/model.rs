@@ -124,6 +124,9 @@ type LastExperts = Vec<(usize, Vec<Vec<usize>>)>;
 /// Predicted experts of the layers ahead, nearest first: (store layer, experts likeliest first).
 pub(crate) type Prediction = Vec<(usize, Vec<usize>)>;
 
+/// Guesses the next MoE layer's experts again from the residual stream plus a layer's output so far.
+pub(crate) type Refine<'a, T> = &'a mut dyn FnMut(&T) -> Result<Prediction>;
+
 /// A fresh id for each model, so a cache is only ever run by the model that made it.
 pub(crate) fn next_model_id() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(1);
@@ -224,6 +227,30 @@ impl<B: Backend> Model<B> {
         Ok(out)
     }
 
+    /// The next MoE layer's experts (within `prefetch_ahead` layers after layer `i`), guessed again in a decode
+    /// step from `x`, the residual stream with layer `i`'s output so far: right more often than the guess from
+    /// before it (this layer's output is what moves the next router's choice most). Scored and gated as
+    /// distance 0.
+    fn predict_refined(&self, i: usize, x: &B::Tensor, ks: &[usize]) -> Result<Prediction> {
+        let next = (self.layers.iter().enumerate().skip(i + 1).take(self.prefetch_ahead)).find_map(|(j, l)| {
+            if let Ffn::Moe(m) = &l.ffn {
+                Some((j, l, m))
+            } else {
+                None
+            }
+        });
+        let Some((j, layer, moe)) = next else {
+            return Ok(Vec::new());
+        };
+        let rows = moe.predict(&self.be, &self.be.rms_norm(x, &layer.post_norm, self.eps)?, ks)?;
+        let guess = merge_ranked(&rows, moe.num_experts);
+        let mut book = self.guess_book();
+        book.record(j, 0, &guess);
+        let min = self.prefetch_min_precision;
+        let experts = (guess.iter().filter(|&&(_, rank)| book.wanted(0, rank, min))).map(|&(e, _)| e);
+        Ok(vec![(moe.layer, experts.collect())])
+    }
+
     fn guess_book(&self) -> std::sync::MutexGuard<'_, GuessBook> {
         self.guesses.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -279,7 +306,10 @@ impl<B: Backend> Model<B> {
                     let seqs = &*seqs;
                     let decode = spans.iter().all(|s| s.len() == 1);
                     let mut predict = || self.predict_ahead(i, &x, ks, seqs, decode);
-                    let (f, plan) = moe.forward(be, &b, ks, &mut predict, &self.profile)?;
+                    let mut refine = |so_far: &B::Tensor| self.predict_refined(i, &be.add(&x, so_far)?, ks);
+                    let refine = (decode && self.prefetch == PrefetchMode::NextLayer)
+                        .then_some(&mut refine as Refine<'_, B::Tensor>);
+                    let (f, plan) = moe.forward(be, &b, ks, &mut predict, refine, &self.profile)?;
                     if decode && self.prefetch != PrefetchMode::None {
                         let (guessed, used) = self.guess_book().score(i, &plan.used);
                         if let Some(c) = (guessed > 0).then(|| moe.experts.counters()).flatten() {

@@ -192,13 +192,16 @@ impl<B: Backend> SparseMoe<B> {
     /// Each expert runs once over all tokens routed to it; all of them are requested from the store at once
     /// and each is computed as its record arrives (resident ones first), its record released right after, so
     /// a small cache still works. `prefetch` names the next layer's predicted experts, hinted to the store
-    /// once this layer's reads are queued.
+    /// once this layer's reads are queued; `refine`, when given, names them again from this layer's output
+    /// so far, once the experts at hand are computed and records are still to come (a step waiting on the
+    /// disk), and its guess replaces the queued one.
     pub fn forward(
         &self,
         be: &B,
         x: &B::Tensor,
         ks: &[usize],
         prefetch: &mut dyn FnMut() -> Result<crate::model::Prediction>,
+        mut refine: Option<crate::model::Refine<'_, B::Tensor>>,
         profile: &StepProfile,
     ) -> Result<(B::Tensor, RoutePlan)> {
         let start = Instant::now();
@@ -235,6 +238,14 @@ impl<B: Backend> SparseMoe<B> {
             for (pos, y) in positions.into_iter().zip(be.experts(jobs)?) {
                 outputs[pos] = Some(y);
             }
+            // Once: the rest of this layer waits on the disk, and what it has computed is most of what moves
+            // the next router's choice.
+            if let Some(refine) = refine.take_if(|_| outputs.iter().any(Option::is_none)) {
+                let so_far = partial_output(be, self.hidden, &outputs, &plan.picks)?;
+                for (layer, experts) in refine(&so_far)? {
+                    self.experts.prefetch(layer, &experts);
+                }
+            }
         }
         let outputs: Vec<B::Tensor> = outputs
             .into_iter()
@@ -263,6 +274,33 @@ impl<B: Backend> SparseMoe<B> {
             .map(|(l, &k)| self.kind.route(l, k.min(self.num_experts)).0)
             .collect())
     }
+}
+
+/// The layer's output from the experts computed so far (`outputs[i]` is `None` for those still to come, which
+/// count as zero): what a refined guess of the next layer's experts starts from.
+fn partial_output<B: Backend>(
+    be: &B,
+    hidden: usize,
+    outputs: &[Option<B::Tensor>],
+    picks: &[Vec<Pick>],
+) -> Result<B::Tensor> {
+    let mut done = Vec::with_capacity(outputs.len());
+    let at: Vec<Option<usize>> = (outputs.iter())
+        .map(|o| {
+            o.as_ref().map(|t| {
+                done.push(t.clone());
+                done.len() - 1
+            })
+        })
+        .collect();
+    let picks: Vec<Vec<Pick>> = (picks.iter())
+        .map(|token| {
+            (token.iter())
+                .filter_map(|p| at.get(p.expert).copied().flatten().map(|expert| Pick { expert, ..*p }))
+                .collect()
+        })
+        .collect();
+    be.combine(hidden, &done, &picks)
 }
 
 #[cfg(test)]
@@ -372,6 +410,7 @@ mod tests {
             &x,
             ks,
             &mut || Ok(Vec::new()),
+            None,
             &StepProfile::default(),
         )
         .unwrap()
@@ -462,6 +501,7 @@ mod tests {
                 &x,
                 &[2],
                 &mut || Ok(Vec::new()),
+                None,
                 &StepProfile::default(),
             )
             .unwrap_err();

@@ -6,6 +6,10 @@
 //! then take, per (layers ahead, rank in the router's order): a guess is read only while the recent precision
 //! of its distance and rank is at least [`AUTO_MIN_PRECISION`]. The router's first choice for the next layer
 //! is right far more often than its last, or than any guess from further back.
+//!
+//! A decode step that waits on the disk guesses the next layer again once the experts it had at hand are
+//! computed: the residual stream then holds most of this layer's output, which is what moves the next
+//! router's choice most. That refined guess (distance 0 here) replaces the next layer's guesses still queued.
 
 /// Which records the store is asked to read ahead of the layers that need them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -76,21 +80,23 @@ pub(crate) type RankedGuess = (usize, usize);
 /// (layers ahead, rank), since a layer's guess from further back, or of a lower rank, is right less often.
 #[derive(Debug, Default)]
 pub(crate) struct GuessBook {
-    /// Per decoder layer, per distance (layers ahead, from 1): the latest guess for it, not yet scored.
+    /// Per decoder layer, per distance (layers ahead; 0 for the refined next-layer guess): the latest guess for
+    /// it, not yet scored.
     pending: Vec<Vec<Vec<RankedGuess>>>,
     /// The nearest guess of each scored layer step.
     nearest: Tally,
-    /// Per distance (from 1), per rank.
+    /// Per distance (0: refined), per rank.
     cells: Vec<Vec<Tally>>,
 }
 
 impl GuessBook {
-    /// Remembers `guess` as the latest made `distance` (≥ 1) layers ahead of decoder layer `layer`.
+    /// Remembers `guess` as the latest made `distance` layers ahead of decoder layer `layer` (0: the refined
+    /// guess, made in the layer before once its experts at hand were computed).
     pub fn record(&mut self, layer: usize, distance: usize, guess: &[RankedGuess]) {
         if self.pending.len() <= layer {
             self.pending.resize(layer + 1, Vec::new());
         }
-        let (slots, d) = (&mut self.pending[layer], distance.max(1) - 1);
+        let (slots, d) = (&mut self.pending[layer], distance);
         if slots.len() <= d {
             slots.resize(d + 1, Vec::new());
         }
@@ -100,7 +106,9 @@ impl GuessBook {
     }
 
     /// Scores the pending guesses for `layer` against the experts it used (ascending); returns (guessed,
-    /// used) expert counts of the nearest one.
+    /// used) expert counts of the nearest one made from the stream after attention (distance ≥ 1: a refined
+    /// guess is scored in its own cells only, so the overall precision keeps meaning what a prompt's guess
+    /// gets).
     pub fn score(&mut self, layer: usize, used: &[usize]) -> (usize, usize) {
         let Some(slots) = self.pending.get_mut(layer) else {
             return (0, 0);
@@ -120,7 +128,9 @@ impl GuessBook {
                 cells[rank].add(1, usize::from(hit));
                 right += usize::from(hit);
             }
-            nearest.get_or_insert((guess.len(), right));
+            if d > 0 {
+                nearest.get_or_insert((guess.len(), right));
+            }
             guess.clear();
         }
         let Some((guessed, right)) = nearest else {
@@ -142,7 +152,8 @@ impl GuessBook {
         min.is_none_or(|min| self.nearest.passes(min))
     }
 
-    /// Recent precision per distance (from 1) and rank (from the router's first choice).
+    /// Recent precision per distance (0: the refined next-layer guess) and rank (from the router's first
+    /// choice).
     pub fn precision_by_rank(&self) -> Vec<Vec<Option<f64>>> {
         (self.cells.iter())
             .map(|c| c.iter().map(Tally::precision).collect())
@@ -155,7 +166,7 @@ impl GuessBook {
         let Some(min) = min else {
             return true;
         };
-        let cell = (self.cells.get(distance.max(1) - 1)).and_then(|c| c.get(rank));
+        let cell = (self.cells.get(distance)).and_then(|c| c.get(rank));
         cell.is_none_or(|c| c.passes(min))
     }
 }
@@ -235,11 +246,21 @@ mod tests {
         assert!(b.wanted(3, 0, min) && b.wanted(1, 7, min));
         assert!(b.wanted(1, 3, None), "forced modes read every guess");
         let p = b.precision_by_rank();
-        assert_eq!((p.len(), p[0].len(), p[1].len()), (2, 4, 4));
+        assert_eq!((p.len(), p[0].len(), p[1].len(), p[2].len()), (3, 0, 4, 4));
         assert_eq!(
-            (p[0][1], p[0][2], p[1][0], p[1][1]),
+            (p[1][1], p[1][2], p[2][0], p[2][1]),
             (Some(1.0), Some(0.0), Some(1.0), Some(0.0))
         );
+        // A refined guess (distance 0) is judged in its own cells and leaves the overall precision alone.
+        for step in 0..60 {
+            b.record(step % 5, 0, &ranked(&[4, 5, 1, 8]));
+            b.record(step % 5, 1, &ranked(&[4, 5, 6, 7]));
+            assert_eq!(b.score(step % 5, &[1, 4, 5]), (4, 2));
+        }
+        assert!((b.precision().unwrap() - 0.5).abs() < 1e-9);
+        let refined: Vec<bool> = (0..4).map(|r| b.wanted(0, r, min)).collect();
+        assert_eq!(refined, [true, true, true, false]);
+        assert_eq!(b.precision_by_rank()[0][3], Some(0.0));
     }
 
     #[test]

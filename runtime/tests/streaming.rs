@@ -205,6 +205,17 @@ fn next_layer_guesses_beat_chance_on_the_trained_models() {
                 precision > 2.0 * chance,
                 "{name}, {ahead} ahead: precision {precision:.2}"
             );
+            // A step waiting on the disk guesses the next layer again from its output so far: scored on its own,
+            // and right more often than the guess from before the layer's experts.
+            let by_rank = m.guess_precision_by_rank();
+            let mean = |r: &[Option<f64>]| r.iter().flatten().sum::<f64>() / r.iter().flatten().count().max(1) as f64;
+            let (refined, nearest) = (mean(&by_rank[0]), mean(&by_rank[1]));
+            assert!(
+                by_rank[0].len() >= m.info.default_top_k && refined > nearest,
+                "{name}, {ahead} ahead: refined guesses {:?} against {:?}",
+                by_rank[0],
+                by_rank[1]
+            );
             let c = m.expert_counters().unwrap().snapshot();
             assert!(c.prefetch_issued > 0 && c.prefetch_hits > 0, "{name}: {c:?}");
             // The store's counters (what /metrics exports) see the same guesses: 80 decode steps, each

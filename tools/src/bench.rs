@@ -98,7 +98,8 @@ pub(crate) struct RunReport {
     pub(crate) prefetch_wasted_bytes: u64,
     /// Recent share of the experts guessed for the layers ahead that those layers used (read or not).
     pub(crate) guess_precision: Option<f64>,
-    /// The same per distance (`[0]`: the next layer) and rank (`[d][0]`: the router's first choice).
+    /// The same per distance (`[d]`: d layers ahead; `[0]`: the next layer guessed again once the experts at hand
+    /// are computed) and rank (`[d][0]`: the router's first choice).
     pub(crate) guess_precision_by_rank: Vec<Vec<Option<f64>>>,
     /// Expert bytes read from disk per prompt token during prefill.
     pub(crate) prefill_read_bytes_per_token: f64,
@@ -829,15 +830,23 @@ fn print_table(r: &Report) {
         );
     }
     for x in &r.runs {
-        for (d, ranks) in x.guess_precision_by_rank.iter().enumerate() {
+        for (d, ranks) in x
+            .guess_precision_by_rank
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| !r.is_empty())
+        {
             let cells: Vec<String> = (ranks.iter())
                 .map(|p| p.map_or("-".into(), |p| format!("{:.0}", 100.0 * p)))
                 .collect();
+            let when = match d {
+                0 => "next layer again, once this layer's experts at hand are computed".to_string(),
+                1 => "1 layer ahead".to_string(),
+                d => format!("{d} layers ahead"),
+            };
             println!(
-                "{} guess % by rank (router's first choice first), {} layer{} ahead: {}",
+                "{} guess % by rank (router's first choice first), {when}: {}",
                 x.run,
-                d + 1,
-                if d == 0 { "" } else { "s" },
                 cells.join(" ")
             );
         }
