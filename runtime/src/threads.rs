@@ -107,7 +107,8 @@ struct Team {
 
 /// How long a poller finds nothing before it sleeps: longer than an in-RAM step's serial stretches (~20 µs
 /// in decode; 200 µs cost decode 512 deep ~8%), short enough not to hold a core long after a step's work
-/// (a step that waits on the disk does not keep its workers awake at all: see `Model::awake_steps`).
+/// (a prompt's chunk that reads experts from disk does not keep its workers awake at all: see
+/// `Model::awake_steps`).
 const SLEEP_AFTER: Duration = Duration::from_millis(2);
 
 thread_local! {
