@@ -17,7 +17,7 @@ use crate::linear::Linear;
 use crate::memory_plan::MemoryPlan;
 use crate::moe::{Mlp, RouterKind, SparseMoe};
 pub use crate::prefetch::PrefetchMode;
-use crate::prefetch::{merge_ranked, GuessBook};
+use crate::prefetch::{merge_ranked, GuessBook, RankedGuess};
 use crate::profile::{Part, StepProfile};
 use crate::sequence::{KvCache, LayerState, Sequence};
 
@@ -213,10 +213,7 @@ impl<B: Backend> Model<B> {
             };
             let guess = merge_ranked(&rows, moe.num_experts);
             let experts: Vec<usize> = if decode {
-                let mut book = self.guess_book();
-                book.record(j, j - i, &guess);
-                let wanted = guess.iter().filter(|&&(_, rank)| book.wanted(j - i, rank, min));
-                wanted.map(|&(e, _)| e).collect()
+                self.record_and_gate(j, j - i, &guess)
             } else {
                 guess.iter().map(|&(e, _)| e).collect()
             };
@@ -232,23 +229,28 @@ impl<B: Backend> Model<B> {
     /// before it (this layer's output is what moves the next router's choice most). Scored and gated as
     /// distance 0.
     fn predict_refined(&self, i: usize, x: &B::Tensor, ks: &[usize]) -> Result<Prediction> {
-        let next = (self.layers.iter().enumerate().skip(i + 1).take(self.prefetch_ahead)).find_map(|(j, l)| {
-            if let Ffn::Moe(m) = &l.ffn {
-                Some((j, l, m))
-            } else {
-                None
-            }
-        });
+        let next =
+            (self.layers.iter().enumerate().skip(i + 1).take(self.prefetch_ahead)).find_map(|(j, l)| match &l.ffn {
+                Ffn::Moe(m) => Some((j, l, m)),
+                _ => None,
+            });
         let Some((j, layer, moe)) = next else {
             return Ok(Vec::new());
         };
         let rows = moe.predict(&self.be, &self.be.rms_norm(x, &layer.post_norm, self.eps)?, ks)?;
         let guess = merge_ranked(&rows, moe.num_experts);
+        Ok(vec![(moe.layer, self.record_and_gate(j, 0, &guess))])
+    }
+
+    /// Records a decode step's `guess` for decoder layer `j`, made `distance` layers ahead (0: refined), for
+    /// scoring once `j` routes, and returns its experts whose distance and rank have proved right.
+    fn record_and_gate(&self, j: usize, distance: usize, guess: &[RankedGuess]) -> Vec<usize> {
         let mut book = self.guess_book();
-        book.record(j, 0, &guess);
+        book.record(j, distance, guess);
         let min = self.prefetch_min_precision;
-        let experts = (guess.iter().filter(|&&(_, rank)| book.wanted(0, rank, min))).map(|&(e, _)| e);
-        Ok(vec![(moe.layer, experts.collect())])
+        (guess.iter().filter(|&&(_, rank)| book.wanted(distance, rank, min)))
+            .map(|&(e, _)| e)
+            .collect()
     }
 
     fn guess_book(&self) -> std::sync::MutexGuard<'_, GuessBook> {
