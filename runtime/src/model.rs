@@ -306,7 +306,7 @@ impl<B: Backend> Model<B> {
                 }
                 Ffn::Moe(moe) => {
                     let seqs = &*seqs;
-                    let decode = spans.iter().all(|s| s.len() == 1);
+                    let decode = SeqSpan::all_decode(spans);
                     let mut predict = || self.predict_ahead(i, &x, ks, seqs, decode);
                     let mut refine = |so_far: &B::Tensor| self.predict_refined(i, &be.add(&x, so_far)?, ks);
                     let refine = (decode && self.prefetch == PrefetchMode::NextLayer)
@@ -407,7 +407,7 @@ impl<B: Backend> Runner for Model<B> {
         // A decode step keeps the workers awake even when experts stream: its reads cost the I/O threads little
         // CPU (nothing is rewritten), while the workers' sleeps and wake-ups cost ~15% of its compute. A prompt's
         // chunk read from disk does not: its I/O threads tile what they read, on the cores a poller would take.
-        let decode = spans.iter().all(|s| s.len() == 1);
+        let decode = SeqSpan::all_decode(&spans);
         let run = if self.awake_steps || decode {
             self.be.step(compute)
         } else {

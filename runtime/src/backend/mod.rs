@@ -41,6 +41,11 @@ impl SeqSpan {
     pub fn is_empty(&self) -> bool {
         self.rows.is_empty()
     }
+
+    /// Whether a batch of these spans is a decode step: one token for each sequence.
+    pub fn all_decode(spans: &[SeqSpan]) -> bool {
+        spans.iter().all(|s| s.len() == 1)
+    }
 }
 
 /// One attention layer's keys and values for one sequence. Truncation is how a rollback (a failed forward,
