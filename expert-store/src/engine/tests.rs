@@ -1052,3 +1052,31 @@ fn a_failed_read_among_several_fails_its_record_clearly_and_no_other() {
     }
     assert_eq!(counters(&src).read_errors, 1);
 }
+
+/// A record's checksum is computed on its first read only, again after the caches are dropped; a record
+/// whose checksum fails is never taken as checked, so every read of it fails.
+#[test]
+fn checksums_are_checked_on_a_records_first_read_and_a_bad_one_fails_every_read() {
+    let (src, file) = engine(1, 1);
+    drop(read(&src, 0));
+    drop(read(&src, 1)); // evicts 0: one slot
+    drop(read(&src, 0)); // read again from the file, not hashed again
+    assert_eq!(file.reads(), offsets(&[0, 1, 0]));
+    assert_eq!(src.hashed(), 2);
+    src.drop_caches().unwrap();
+    drop(read(&src, 0));
+    assert_eq!(src.hashed(), 3, "dropped caches check every record again");
+
+    let (good, file) = table();
+    let mut layouts: Vec<RecordLayout> = (0..EXPERTS).map(|e| good.record(LAYER, e).unwrap().clone()).collect();
+    layouts[0].checksum = layouts[0].checksum.map(|c| c ^ 1);
+    let files: Vec<Arc<dyn ReadAt>> = vec![file];
+    let bad = RecordTable::new(files, [(LAYER, layouts)].into_iter().collect());
+    let src = StreamingSource::new(bad, &options(SLOT, 1)).unwrap();
+    for _ in 0..2 {
+        let err = src.read_expert(LAYER, 0).unwrap_err().to_string();
+        assert!(err.contains("checksum mismatch"), "{err}");
+    }
+    assert_eq!(src.hashed(), 2);
+    drop(read(&src, 1));
+}
