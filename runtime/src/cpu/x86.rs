@@ -2079,7 +2079,7 @@ unsafe fn q4_band<const TY: u8, const T: usize>(a: &BandArgs<'_>, out: &mut [f32
             // The next band's scales and biases, a share of their lines per step: between a band's 16 KiB of
             // codes their 1 KiB each is no stream the hardware prefetcher follows, and `band_params` stalled on
             // their first load (two thirds of its samples in a profile of streamed decode). From DRAM this
-            // gave whole matrices per thread 18.2 → 19.6 GB/s (`qmatmul`, four alternations).
+            // gave whole matrices per thread 17.9 → 19.7 GB/s (`qmatmul`, means of seven alternations).
             let next_params = (r0 + 16) * groups * a.ty.size();
             for line in step * param_lines / steps..(step + 1) * param_lines / steps {
                 let at = next_params + 64 * line;
