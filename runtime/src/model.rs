@@ -268,6 +268,7 @@ impl<B: Backend> Model<B> {
     ) -> Result<(B::Tensor, LastExperts)> {
         let be = &self.be;
         let mut last_experts = Vec::new();
+        let decode = SeqSpan::all_decode(spans);
         for (i, layer) in self.layers.iter().enumerate() {
             let a = be.rms_norm(&x, &layer.input_norm, self.eps)?;
             let a = match &layer.mixer {
@@ -306,7 +307,6 @@ impl<B: Backend> Model<B> {
                 }
                 Ffn::Moe(moe) => {
                     let seqs = &*seqs;
-                    let decode = SeqSpan::all_decode(spans);
                     let mut predict = || self.predict_ahead(i, &x, ks, seqs, decode);
                     let mut refine = |so_far: &B::Tensor| self.predict_refined(i, &be.add(&x, so_far)?, ks);
                     let refine = (decode && self.prefetch == PrefetchMode::NextLayer)
