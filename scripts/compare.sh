@@ -101,7 +101,7 @@ lines = [f"# {preset}: sluice beside llama.cpp ({os.path.basename(out)})", "",
          "| | llama.cpp | sluice | sluice ÷ llama.cpp |", "|---|---|---|---|"]
 lines += [f"| {n} | {a:.2f} | {b:.2f} | {b / a:.2f} |" for n, a, b in rows]
 lines += ["", f"sluice mode {sl['mode']}, disk probe {sl.get('disk_probe_gb_s') or 0:.2f} GB/s "
-          f"(re-read {sl.get('disk_reread_gb_s') or 0:.2f}), "
+          f"(best at depth {sl.get('disk_probe_depth')}, re-read {sl.get('disk_reread_gb_s') or 0:.2f}), "
           f"DRAM probe {sl.get('dram_probe_gb_s') or 0:.1f} GB/s, fresh memory {sl.get('fresh_memory_gb_s') or 0:.2f} GB/s"]
 w, dram = sl.get("weight_bytes_per_token"), sl.get("dram_probe_gb_s")
 if w and dram and preset == "medium":
@@ -132,7 +132,9 @@ for label, run in [(label, r) for label, src in sources for r in src["runs"]]:
     bound = (f", bound {b['tok_s']:.2f} tok/s ({b['limit']}), achieved {b['achieved']:.0%}; with an LRU cache "
              f"({b['lru_misses_per_token']:.1f} misses/token against the optimum's {b['optimal_misses_per_token']:.1f}) "
              f"{b['lru_tok_s']:.2f} tok/s, achieved {b['lru_achieved']:.0%}") if b else ""
-    lines.append(f"{name}: read {run['read_bytes_per_token'] / 1e6:.0f} MB/token at {run['read_gb_s']:.2f} GB/s, "
+    probes = run.get("disk_probes_gb_s")
+    probed = f"disk probes {probes[0]:.2f} before and {probes[1]:.2f} after it (bounds at their mean); " if probes else ""
+    lines.append(f"{name}: {probed}read {run['read_bytes_per_token'] / 1e6:.0f} MB/token at {run['read_gb_s']:.2f} GB/s, "
                  f"hit rate {run['hit_rate']:.2f}, I/O wait {run['io_wait_share']:.0%}{bound}")
 lines += ["", "raw: llama*.json, sluice*.json beside this file"]
 open(f"{out}/report.md", "w").write("\n".join(lines) + "\n")

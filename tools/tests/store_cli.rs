@@ -196,6 +196,17 @@ fn bench_reports_runs_and_probes_as_json() {
         }
     }
     assert!(v["disk_probe_gb_s"].as_f64().unwrap() > 0.0);
+    // Where the probe bypasses the page cache, each run has its own probes right before and after it: the
+    // cold run's after is the warm run's before, and the warm run's after is the report's final probe.
+    let probes: Vec<Option<[f64; 2]>> = (v["runs"].as_array().unwrap().iter())
+        .map(|r| serde_json::from_value(r["disk_probes_gb_s"].clone()).unwrap())
+        .collect();
+    if let [Some([a, b]), Some([c, d])] = probes[..] {
+        assert!(a > 0.0 && b > 0.0, "{probes:?}");
+        assert_eq!((b, d), (c, v["disk_probe_gb_s"].as_f64().unwrap()), "{probes:?}");
+    } else {
+        assert_eq!(probes, [None, None], "both runs or neither");
+    }
     assert!(v["dram_probe_gb_s"].as_f64().unwrap() > 0.0);
     // The probe is the faster of its two access patterns.
     let (one, four) = (
