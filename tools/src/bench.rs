@@ -708,20 +708,24 @@ pub(crate) fn disk_probe_best(
     time: Duration,
     reread: bool,
 ) -> Result<DiskProbe> {
-    let depths = sluice_runtime::forecast::probe_depths(depth);
-    let each = time / depths.len() as u32;
-    let mut best: Option<DiskProbe> = None;
-    for d in depths {
-        let p = disk_probe_file(file, record, d, each, false)?;
-        if best.is_none_or(|b| p.fresh > b.fresh) {
-            best = Some(p);
-        }
-    }
-    let mut best = best.context("no probe depth")?;
+    let by_depth = disk_probe_depths(file, record, depth, time)?;
+    let each = time / by_depth.len() as u32;
+    let mut best = (by_depth.into_iter())
+        .max_by(|a, b| a.fresh.total_cmp(&b.fresh))
+        .context("no probe depth")?;
     if reread {
         best.reread = disk_probe_file(file, record, best.depth, each, true)?.reread;
     }
     Ok(best)
+}
+
+/// Fresh reads over `file` at depths 1, 2, 4, … up to `depth`, `time` split between them: one probe per depth.
+pub(crate) fn disk_probe_depths(file: &Path, record: u64, depth: usize, time: Duration) -> Result<Vec<DiskProbe>> {
+    let depths = sluice_runtime::forecast::probe_depths(depth);
+    let each = time / depths.len() as u32;
+    (depths.into_iter())
+        .map(|d| disk_probe_file(file, record, d, each, false))
+        .collect()
 }
 
 /// Random reads of `record` bytes at `depth` over `file`, bypassing the page cache when the filesystem allows

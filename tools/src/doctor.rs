@@ -11,7 +11,7 @@ use serde::Serialize;
 use sluice_runtime::config::ModelConfig;
 use sluice_runtime::eval::{default_top_ks, parse_top_ks};
 use sluice_runtime::forecast::{
-    check_top_k, forecast, matvec_probe, probe_depths, size_from_config, Forecast, MachineProbes, ModelSize,
+    check_top_k, forecast, matvec_probe, size_from_config, Forecast, MachineProbes, ModelSize,
 };
 use sluice_runtime::memory_plan::{ExpertPlacement, MachineMemory, MemoryPlan, PlanRequest};
 
@@ -191,17 +191,11 @@ fn probe_disk(dir: &Path, size: u64, record: u64, depth: usize, time: Duration) 
         w.flush()?;
     }
     file.as_file().sync_all()?;
-    let depths = probe_depths(depth);
-    let each = time / depths.len() as u32;
-    depths
-        .into_iter()
-        .map(|d| {
-            Ok((
-                d,
-                crate::bench::disk_probe_file(file.path(), record, d, each, false)?.fresh,
-            ))
-        })
-        .collect()
+    Ok(
+        (crate::bench::disk_probe_depths(file.path(), record, depth, time)?.into_iter())
+            .map(|p| (p.depth, p.fresh))
+            .collect(),
+    )
 }
 
 fn gib(b: u64) -> String {
