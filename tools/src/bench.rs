@@ -355,7 +355,8 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
             .transpose()
     };
     let mut runs = Vec::new();
-    let mut probes_before = Vec::new();
+    // The disk probes between runs: before the first, between each two, and (below) after the last.
+    let mut probes = Vec::new();
     let per_run = a.prompt_tokens + a.gen_tokens;
     if cold {
         if streaming {
@@ -363,7 +364,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         } else if !a.json {
             eprintln!("note: experts are resident (mmap); a cold run only drops the slot cache when streaming");
         }
-        probes_before.push(adjacent_probe()?);
+        probes.push(adjacent_probe()?);
         runs.push(measure(
             m,
             "cold",
@@ -380,7 +381,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
             measure(m, "warmup", &stream[..per_run], a.prompt_tokens, chunk, top_k, trace)?;
         }
         let second = &stream[per_run..2 * per_run];
-        probes_before.push(adjacent_probe()?);
+        probes.push(adjacent_probe()?);
         runs.push(measure(m, "warm", second, a.prompt_tokens, chunk, top_k, trace)?);
     }
     let disk = (probe_file.as_deref())
@@ -388,13 +389,9 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         .transpose()?;
     let disk_probe_gb_s = disk.map(|d| d.fresh);
     // A run's probe after is the next run's before; the last run's is the probe just taken.
-    let after = probes_before
-        .iter()
-        .skip(1)
-        .copied()
-        .chain([disk_probe_gb_s.filter(|_| adjacent.is_some())]);
-    for ((r, before), after) in runs.iter_mut().zip(&probes_before).zip(after) {
-        r.disk_probes_gb_s = before.zip(after).map(|(b, a)| [b, a]);
+    probes.push(disk_probe_gb_s.filter(|_| adjacent.is_some()));
+    for (r, pair) in runs.iter_mut().zip(probes.windows(2)) {
+        r.disk_probes_gb_s = pair[0].zip(pair[1]).map(|(before, after)| [before, after]);
     }
     let dram = (!probe.is_zero()).then(|| sluice_runtime::cpu::dram_read_probe(512 << 20, probe));
     let fresh_memory_gb_s = (!probe.is_zero()).then(fresh_memory_probe).flatten();
@@ -967,7 +964,7 @@ fn print_table(r: &Report) {
                 "{} disk probes: {before:.2} GB/s right before the run, {after:.2} right after (its bounds use \
                  their mean, {:.2})",
                 x.run,
-                (before + after) / 2.0
+                x.disk_gb_s(before)
             );
         }
         if x.prefill_read_bytes_per_token > 0.0 {
