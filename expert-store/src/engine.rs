@@ -42,7 +42,7 @@ use lru::LruCache;
 use crate::aligned::{Prefault, SlotBuf};
 use crate::counters::StoreCounters;
 use crate::experts::{ExpertFetch, ExpertRecord, ExpertSource};
-use crate::layout::{read_full, ReadOp, RecordLayout, RecordTable};
+use crate::layout::{read_full, ReadOp, RecordLayout, RecordTable, READ_PIECE};
 use crate::{OwnedBytes, StoreError};
 
 type Key = (usize, usize);
@@ -292,7 +292,8 @@ struct Inner {
     slots: usize,
     slot_len: usize,
     /// Threads that run a record's reads side by side when it takes more than one (records read in place
-    /// from a checkpoint: one read per tensor); `None` when every record is one read.
+    /// from a checkpoint: one read per tensor; reads longer than [`READ_PIECE`]: one per piece); `None` when
+    /// every record is one read.
     part_readers: Option<rayon::ThreadPool>,
     /// Times a fetch blocked waiting for a read to land.
     #[cfg(test)]
@@ -333,8 +334,9 @@ impl StreamingSource {
         }
         let layer_cycle = table.layers().last().map_or(0, |l| l + 1);
         // One read after another, a record read from a checkpoint took nine reads' latencies; side by side it
-        // lands in about one, and the step waits less (README, "Streaming experts from the SSD", item 1).
-        let part_readers = if table.max_reads_per_record() > 1 {
+        // lands in about one, and the step waits less (README, "Streaming experts from the SSD", item 1). A
+        // packed record's one read is cut into pieces of at most READ_PIECE, read side by side too.
+        let part_readers = if table.max_pieces_per_record() > 1 {
             let threads = 2 * opts.io_depth.max(1);
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads(threads)
@@ -788,7 +790,7 @@ impl Inner {
             (Some(_), None) => return Err(fail(format!("no memory for a {len}-byte buffer to rewrite it from"))),
             (None, _) => (slot, None),
         };
-        let read_one = |r: &ReadOp, dst: &mut [u8]| {
+        let read_one = |r: ReadOp, dst: &mut [u8]| {
             let file = &self.table.files[r.file];
             read_full(file.as_ref(), dst, r.offset, r.needed).map_err(|e| {
                 fail(format!(
@@ -811,7 +813,7 @@ impl Inner {
             }
             let (dst, tail) = std::mem::take(&mut rest)[skip..].split_at_mut(r.len);
             (rest, at) = (tail, r.slot_offset + r.len);
-            reads.push((r, dst));
+            reads.extend(r.pieces(READ_PIECE).zip(dst.chunks_mut(READ_PIECE)));
         }
         let total = match &self.part_readers {
             Some(pool) if reads.len() > 1 => {

@@ -11,6 +11,11 @@ use crate::{Checkpoint, StackedExperts, StoreError};
 /// Alignment O_DIRECT reads need for offset, length and buffer on the filesystems we target.
 pub const DIRECT_ALIGN: u64 = 4096;
 
+/// The largest single read the engine issues: a longer one (a packed record, a large tensor slice in place) is
+/// cut into pieces of this size read side by side. On this VM's disk three ~0.9 MB reads side by side read a
+/// 2.65 MB record 9–15% faster than one read (README, "`sluice bench`"); an NVMe drive serves pieces in parallel.
+pub const READ_PIECE: usize = 1 << 20;
+
 /// Alignment of each part inside a slot when reads are buffered (enough for any SIMD load).
 pub(crate) const PART_ALIGN: usize = 64;
 
@@ -105,6 +110,24 @@ pub struct RecordLayout {
     pub checksum: Option<u64>,
     /// Where the parts are once the table's [`RecordTransform`] has rewritten the slot (`None`: at `parts`).
     pub rewritten: Option<Vec<(usize, usize)>>,
+}
+
+impl ReadOp {
+    /// This read cut into reads of at most `piece` bytes (a multiple of [`DIRECT_ALIGN`]), in order, each with
+    /// its share of `needed`.
+    pub fn pieces(&self, piece: usize) -> impl Iterator<Item = ReadOp> + '_ {
+        (0..self.len.div_ceil(piece.max(1))).map(move |k| {
+            let at = k * piece;
+            let len = piece.min(self.len - at);
+            ReadOp {
+                offset: self.offset + at as u64,
+                len,
+                slot_offset: self.slot_offset + at,
+                needed: self.needed.saturating_sub(at).min(len),
+                ..*self
+            }
+        })
+    }
 }
 
 impl RecordLayout {
@@ -273,6 +296,14 @@ impl RecordTable {
         self.layers.values().flatten().map(|l| l.reads.len()).max().unwrap_or(0)
     }
 
+    /// The most reads of at most [`READ_PIECE`] bytes any one record takes.
+    pub fn max_pieces_per_record(&self) -> usize {
+        (self.layers.values().flatten())
+            .map(|l| l.reads.iter().map(|r| r.len.div_ceil(READ_PIECE)).sum::<usize>())
+            .max()
+            .unwrap_or(0)
+    }
+
     /// The largest slot any record needs.
     pub fn max_slot_len(&self) -> usize {
         self.layers
@@ -296,5 +327,40 @@ impl RecordTable {
     /// True when the table has no records.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_read_cut_into_pieces_covers_it_in_order_and_shares_out_what_must_exist() {
+        // 2.5 pieces long; only the first 1.25 pieces must exist (the rest may run past the end of the file).
+        let piece = 4 * DIRECT_ALIGN as usize;
+        let r = ReadOp {
+            file: 2,
+            offset: 8192,
+            len: 2 * piece + piece / 2,
+            slot_offset: 4096,
+            needed: piece + piece / 4,
+        };
+        let got: Vec<ReadOp> = r.pieces(piece).collect();
+        let want = |k: usize, len: usize, needed: usize| ReadOp {
+            file: 2,
+            offset: 8192 + (k * piece) as u64,
+            len,
+            slot_offset: 4096 + k * piece,
+            needed,
+        };
+        assert_eq!(
+            got,
+            vec![want(0, piece, piece), want(1, piece, piece / 4), want(2, piece / 2, 0)]
+        );
+        assert_eq!(
+            r.pieces(r.len).collect::<Vec<_>>(),
+            vec![r],
+            "a read no longer than a piece stays whole"
+        );
     }
 }

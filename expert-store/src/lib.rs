@@ -30,7 +30,9 @@ pub use counters::{CounterSnapshot, Histogram, HistogramSnapshot, StoreCounters,
 pub use engine::{panic_message, EngineOptions, StreamingSource, DEFAULT_GUESS_DEPTH};
 pub use error::StoreError;
 pub use experts::{ExpertFetch, ExpertRecord, ExpertSource, InMemoryExpertSource, MmapExpertSource, StackedExperts};
-pub use layout::{read_full, PosixFile, ReadAt, ReadOp, RecordLayout, RecordTable, RecordTransform, DIRECT_ALIGN};
+pub use layout::{
+    read_full, PosixFile, ReadAt, ReadOp, RecordLayout, RecordTable, RecordTransform, DIRECT_ALIGN, READ_PIECE,
+};
 pub use store::{
     convert, is_store, ConvertOptions, LayerManifest, Manifest, PackedStore, PartManifest, RecordManifest, DATA_FILE,
     MANIFEST_FILE, STORE_VERSION,

@@ -11,7 +11,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use expert_store::{
     lru_misses, optimal_misses, CounterSnapshot, ExpertFetch, ExpertRecord, ExpertSource, PosixFile, ReadAt, RecordKey,
-    SlotBuf, StoreCounters, StoreError, TracingSource, DIRECT_ALIGN,
+    SlotBuf, StoreCounters, StoreError, TracingSource, DIRECT_ALIGN, READ_PIECE,
 };
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
@@ -191,6 +191,8 @@ pub(crate) struct Report {
     pub(crate) disk_reread_gb_s: Option<f64>,
     /// The depth at which the probe read fastest (the one `disk_probe_gb_s` gives).
     pub(crate) disk_probe_depth: Option<usize>,
+    /// Reads each record was cut into at that best (1: whole records; else pieces of at most `READ_PIECE`).
+    pub(crate) disk_probe_pieces: Option<usize>,
     /// The faster of the two patterns below: the machine's DRAM limit.
     pub(crate) dram_probe_gb_s: Option<f64>,
     /// DRAM probe, one sequential stream per thread.
@@ -480,6 +482,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         disk_probe_gb_s,
         disk_reread_gb_s: disk.and_then(|d| d.reread),
         disk_probe_depth: disk.map(|d| d.depth),
+        disk_probe_pieces: disk.map(|d| d.pieces),
         dram_probe_gb_s: dram.map(|d| d.best()),
         dram_one_stream_gb_s: dram.map(|d| d.one_stream),
         dram_four_streams_gb_s: dram.map(|d| d.four_streams),
@@ -690,14 +693,44 @@ pub(crate) struct DiskProbe {
     /// The same offsets read again (when asked, and reads bypass the OS's cache): faster than `fresh` when a
     /// cache below the OS (a VM host's) holds what was read recently.
     pub(crate) reread: Option<f64>,
-    /// Reads in flight at once.
+    /// Records in flight at once.
     pub(crate) depth: usize,
+    /// Reads each record was cut into, read side by side (1: one read per record).
+    pub(crate) pieces: usize,
+}
+
+/// Bytes of buffers a probe's reads land in, in turn. An expert cache reads each miss into a slot it has not
+/// touched for a while, and on this VM's disk that costs more than reading into a buffer just read into: the
+/// same reader read 2.26–2.43 GB/s into one buffer per thread and 1.67–1.95 GB/s into buffers rotating over
+/// 48 MB to 8 GB (README, "`sluice bench`"). So the probe rotates over as many bytes as this, no cache can
+/// read faster than that, and the bound it sets is one a cache can meet.
+const PROBE_POOL: usize = 256 << 20;
+
+/// The buffers a probe reads into: page-aligned (O_DIRECT), written once before any timing (first touch is
+/// not the disk's cost), enough of them that reads land in memory not touched recently ([`PROBE_POOL`]).
+pub(crate) struct ProbeBuffers {
+    slots: Vec<SlotBuf>,
+    len: usize,
+}
+
+impl ProbeBuffers {
+    /// Buffers of `record` bytes (rounded up to whole blocks) for up to `threads` readers, at least two each.
+    pub(crate) fn new(record: u64, threads: usize) -> Result<Self> {
+        let len = record.max(DIRECT_ALIGN).next_multiple_of(DIRECT_ALIGN) as usize;
+        let count = (PROBE_POOL / len).max(2 * threads.max(1));
+        let mut slots = SlotBuf::allocate(count, len).context("no memory for the disk probe's buffers")?;
+        for s in &mut slots {
+            s.as_mut_slice().fill(1);
+        }
+        Ok(Self { slots, len })
+    }
 }
 
 /// The disk's random-read bandwidth at the record size over `file`: the best of depths 1, 2, 4, … up to
-/// `depth` (`time` split between them), and with `reread` that depth's offsets read again. The best depth is
-/// the disk's: a scratch reader on this VM's read 2.4–2.6 GB/s at depth 3 and 1.4–2.1 at depth 8 in the same
-/// minute, and a probe at depth 8 alone judged runs (reading ~3 at a time) against less than they read.
+/// `depth` and of whole reads against reads in pieces (`time` split between them), and with `reread` that
+/// probe's offsets read again. The best depth is the disk's: a scratch reader on this VM's read 2.4–2.6 GB/s
+/// at depth 3 and 1.4–2.1 at depth 8 in the same minute, and a probe at depth 8 alone judged runs (reading ~3
+/// at a time) against less than they read.
 pub(crate) fn disk_probe_best(
     file: &Path,
     record: u64,
@@ -705,34 +738,68 @@ pub(crate) fn disk_probe_best(
     time: Duration,
     reread: bool,
 ) -> Result<DiskProbe> {
-    let by_depth = disk_probe_depths(file, record, depth, time)?;
-    let each = time / by_depth.len() as u32;
-    let mut best = (by_depth.into_iter())
+    let shapes = probe_shapes(record, depth);
+    let each = time / shapes.len() as u32;
+    let mut buffers = ProbeBuffers::new(record, max_probe_threads(&shapes))?;
+    let mut best = (shapes.into_iter())
+        .map(|(d, pieces)| disk_probe_file(file, record, (d, pieces), each, false, &mut buffers))
+        .collect::<Result<Vec<_>>>()?
+        .into_iter()
         .max_by(|a, b| a.fresh.total_cmp(&b.fresh))
         .context("no probe depth")?;
     if reread {
-        best.reread = disk_probe_file(file, record, best.depth, each, true)?.reread;
+        best.reread = disk_probe_file(file, record, (best.depth, best.pieces), each, true, &mut buffers)?.reread;
     }
     Ok(best)
 }
 
-/// Fresh reads over `file` at depths 1, 2, 4, … up to `depth`, `time` split between them: one probe per depth.
+/// Fresh reads over `file` at depths 1, 2, 4, … up to `depth`, `time` split between the probes: per depth, the
+/// faster of whole reads and reads in pieces.
 pub(crate) fn disk_probe_depths(file: &Path, record: u64, depth: usize, time: Duration) -> Result<Vec<DiskProbe>> {
-    let depths = sluice_runtime::forecast::probe_depths(depth);
-    let each = time / depths.len() as u32;
-    (depths.into_iter())
-        .map(|d| disk_probe_file(file, record, d, each, false))
-        .collect()
+    let shapes = probe_shapes(record, depth);
+    let each = time / shapes.len() as u32;
+    let mut buffers = ProbeBuffers::new(record, max_probe_threads(&shapes))?;
+    let mut best: Vec<DiskProbe> = Vec::new();
+    for (d, pieces) in shapes {
+        let p = disk_probe_file(file, record, (d, pieces), each, false, &mut buffers)?;
+        match best.iter_mut().find(|b| b.depth == d) {
+            Some(b) if b.fresh >= p.fresh => {}
+            Some(b) => *b = p,
+            None => best.push(p),
+        }
+    }
+    Ok(best)
 }
 
-/// Random reads of `record` bytes at `depth` over `file`, bypassing the page cache when the filesystem allows
-/// O_DIRECT: `time` for the fresh reads and as long again for the re-reads when `reread`.
+/// The (depth, pieces) a probe tries: each depth of [`sluice_runtime::forecast::probe_depths`] with whole
+/// reads, and with pieces of at most [`READ_PIECE`] (as the engine reads a longer one) when a record is larger.
+/// On this VM three ~0.9 MB reads side by side read a 2.65 MB record 9–15% faster than one read (README,
+/// "`sluice bench`"); an in-place record's reads are pieces anyway (one per tensor), so a probe of whole reads
+/// alone would set too low a bar.
+fn probe_shapes(record: u64, depth: usize) -> Vec<(usize, usize)> {
+    let split = record.div_ceil(READ_PIECE as u64) as usize;
+    let depths = sluice_runtime::forecast::probe_depths(depth);
+    let mut shapes: Vec<(usize, usize)> = depths.iter().map(|&d| (d, 1)).collect();
+    if split > 1 {
+        shapes.extend(depths.iter().map(|&d| (d, split)));
+    }
+    shapes
+}
+
+fn max_probe_threads(shapes: &[(usize, usize)]) -> usize {
+    shapes.iter().map(|&(d, p)| d * p).max().unwrap_or(1)
+}
+
+/// Random reads of `record` bytes over `file`, `depth` records at a time, each cut into `pieces` reads side by
+/// side, into `buffers` in turn; bypassing the page cache when the filesystem allows O_DIRECT. `time` for the
+/// fresh reads and as long again for the re-reads when `reread`.
 pub(crate) fn disk_probe_file(
     file: &Path,
     record: u64,
-    depth: usize,
+    (depth, pieces): (usize, usize),
     time: Duration,
     reread: bool,
+    buffers: &mut ProbeBuffers,
 ) -> Result<DiskProbe> {
     let file = file.to_path_buf();
     let len = std::fs::metadata(&file)?.len();
@@ -740,6 +807,12 @@ pub(crate) fn disk_probe_file(
     if len < size {
         bail!("{} is smaller than one record", file.display());
     }
+    let (depth, pieces) = (depth.max(1), pieces.max(1));
+    let threads = depth * pieces;
+    if buffers.len < size as usize || buffers.slots.len() < threads {
+        bail!("the probe's buffers are smaller than {threads} records of {size} bytes");
+    }
+    let piece = size.div_ceil(pieces as u64).next_multiple_of(DIRECT_ALIGN);
     let direct = PosixFile::open(&file, true);
     // Buffered, the re-reads would come from the guest's own page cache: no re-read then.
     let reread = reread && direct.is_ok();
@@ -757,24 +830,33 @@ pub(crate) fn disk_probe_file(
     let seed: u64 = rand::random();
     let (fresh, rereads) = (AtomicU64::new(0), AtomicU64::new(0));
     // Every thread's fresh reads end before any re-read starts; the last to arrive notes the time.
-    let between = Barrier::new(depth);
+    let between = Barrier::new(threads);
     let mid = OnceLock::new();
+    // Each thread its own buffers, every `threads`-th one: no two threads write the same bytes.
+    let mut own: Vec<Vec<&mut SlotBuf>> = (0..threads).map(|_| Vec::new()).collect();
+    for (i, b) in buffers.slots.iter_mut().enumerate() {
+        own[i % threads].push(b);
+    }
     let t0 = Instant::now();
     std::thread::scope(|s| {
-        for i in 0..depth {
+        for (i, mut bufs) in own.into_iter().enumerate() {
             let (f, fresh, rereads, between, mid) = (&f, &fresh, &rereads, &between, &mid);
             s.spawn(move || {
-                // An engine slot: page-aligned, as O_DIRECT needs (none: this thread reads nothing).
-                let mut slot = SlotBuf::allocate(1, size as usize);
-                let mut buf = slot.as_mut().map(|s| &mut s[0].as_mut_slice()[..size as usize]);
-                let mut rng = rand::rngs::StdRng::seed_from_u64(seed.wrapping_add(i as u64));
+                // Thread `i` reads piece `i % pieces` of its group's records; a group's threads draw the same
+                // offsets, so a record's pieces are read side by side.
+                let (group, at) = (i / pieces, (i % pieces) as u64 * piece);
+                let n = piece.min(size.saturating_sub(at)) as usize;
+                let mut rng = rand::rngs::StdRng::seed_from_u64(seed.wrapping_add(group as u64));
+                let mut turn = (0..bufs.len()).cycle();
+                let mut next_buf = move || turn.next().unwrap_or(0);
                 let mut read = Vec::new();
-                while let Some(buf) = buf.as_deref_mut().filter(|_| t0.elapsed() < time) {
-                    let off = rng.gen_range(0..=slots) * DIRECT_ALIGN;
-                    let Ok(n) = expert_store::read_full(f.as_ref(), buf, off, 0) else {
-                        break;
+                while n > 0 && t0.elapsed() < time {
+                    let off = rng.gen_range(0..=slots) * DIRECT_ALIGN + at;
+                    let buf = &mut bufs[next_buf()].as_mut_slice()[..n];
+                    match expert_store::read_full(f.as_ref(), buf, off, 0) {
+                        Ok(got) => fresh.fetch_add(got as u64, Ordering::Relaxed),
+                        Err(_) => break,
                     };
-                    fresh.fetch_add(n as u64, Ordering::Relaxed);
                     if reread {
                         read.push(off);
                     }
@@ -782,13 +864,16 @@ pub(crate) fn disk_probe_file(
                 if between.wait().is_leader() {
                     let _ = mid.set(Instant::now());
                 }
-                let Some(buf) = buf.filter(|_| reread) else { return };
+                if !reread || n == 0 {
+                    return;
+                }
                 let end = Instant::now() + time;
                 for &off in read.iter().cycle().take_while(|_| Instant::now() < end) {
-                    let Ok(n) = expert_store::read_full(f.as_ref(), buf, off, 0) else {
+                    let buf = &mut bufs[next_buf()].as_mut_slice()[..n];
+                    let Ok(got) = expert_store::read_full(f.as_ref(), buf, off, 0) else {
                         break;
                     };
-                    rereads.fetch_add(n as u64, Ordering::Relaxed);
+                    rereads.fetch_add(got as u64, Ordering::Relaxed);
                 }
             });
         }
@@ -799,6 +884,7 @@ pub(crate) fn disk_probe_file(
         fresh: gb_s(&fresh, (mid - t0).as_secs_f64()),
         reread: reread.then(|| gb_s(&rereads, mid.elapsed().as_secs_f64())),
         depth,
+        pieces,
     })
 }
 
@@ -845,9 +931,13 @@ fn print_table(r: &Report) {
     }
     if let Some(d) = r.disk_probe_gb_s {
         println!(
-            "disk probe: {d:.2} GB/s random reads of one record at depth {} (the best of depths up to {}), offsets \
-             new to this probe{}",
+            "disk probe: {d:.2} GB/s random reads of one record at depth {}{} (the best of depths up to {}, whole \
+             and in pieces), into buffers not read into lately, offsets new to this probe{}",
             r.disk_probe_depth.unwrap_or(r.io_depth),
+            match r.disk_probe_pieces {
+                Some(p) if p > 1 => format!(" in {p} pieces side by side"),
+                _ => String::new(),
+            },
             r.io_depth,
             r.disk_reread_gb_s
                 .map_or(String::new(), |re| format!(" (the same offsets re-read: {re:.2} GB/s)"))
@@ -1025,20 +1115,50 @@ mod tests {
     fn the_disk_probe_measures_fresh_reads_and_rereads_when_asked() {
         let f = file_of(8 << 20);
         let time = Duration::from_millis(150);
-        let both = disk_probe_file(f.path(), 1 << 20, 2, time, true).expect("probe");
+        let mut buffers = ProbeBuffers::new(1 << 20, 4).expect("buffers");
+        let both = disk_probe_file(f.path(), 1 << 20, (2, 1), time, true, &mut buffers).expect("probe");
         assert!(both.fresh > 0.0, "{both:?}");
         // Without O_DIRECT (tmpfs) the re-reads would come from the page cache, so there are none.
         let direct = PosixFile::open(f.path(), true).is_ok();
         assert_eq!(both.reread.is_some_and(|r| r > 0.0), direct, "{both:?}");
-        let fresh_only = disk_probe_file(f.path(), 1 << 20, 2, time, false).expect("probe");
+        let fresh_only = disk_probe_file(f.path(), 1 << 20, (2, 2), time, false, &mut buffers).expect("probe");
         assert!(fresh_only.fresh > 0.0 && fresh_only.reread.is_none(), "{fresh_only:?}");
+        assert_eq!((fresh_only.depth, fresh_only.pieces), (2, 2));
+        // Buffers made for smaller records: refused, not read short.
+        assert!(disk_probe_file(f.path(), 2 << 20, (1, 1), time, false, &mut buffers).is_err());
+    }
+
+    #[test]
+    fn the_probe_tries_whole_records_and_pieces_at_each_depth() {
+        // A 2.5 MiB record: three pieces of at most 1 MiB; one of 1 MiB or less is only read whole.
+        let big = 5 << 19;
+        assert_eq!(
+            probe_shapes(big, 4),
+            vec![(1, 1), (2, 1), (4, 1), (1, 3), (2, 3), (4, 3)]
+        );
+        assert_eq!(probe_shapes(READ_PIECE as u64, 2), vec![(1, 1), (2, 1)]);
+        assert_eq!(max_probe_threads(&probe_shapes(big, 4)), 12);
+        // Each reader's buffers are its own and the pool spans PROBE_POOL (or two per reader).
+        let b = ProbeBuffers::new(big, 12).expect("buffers");
+        assert!(
+            b.slots.len() >= 24 && b.slots.len() * b.len >= PROBE_POOL - b.len,
+            "{}",
+            b.slots.len()
+        );
+        let f = file_of(8 << 20);
+        let by_depth = disk_probe_depths(f.path(), big, 2, Duration::from_millis(200)).expect("probe");
+        assert_eq!(by_depth.iter().map(|p| p.depth).collect::<Vec<_>>(), vec![1, 2]);
+        assert!(
+            by_depth.iter().all(|p| p.fresh > 0.0 && [1, 3].contains(&p.pieces)),
+            "{by_depth:?}"
+        );
     }
 
     #[test]
     fn the_best_disk_probe_tries_each_depth_and_rereads_at_the_best() {
         let f = file_of(8 << 20);
         let p = disk_probe_best(f.path(), 1 << 20, 4, Duration::from_millis(300), true).expect("probe");
-        assert!(p.fresh > 0.0 && [1, 2, 4].contains(&p.depth), "{p:?}");
+        assert!(p.fresh > 0.0 && [1, 2, 4].contains(&p.depth) && p.pieces == 1, "{p:?}");
         let direct = PosixFile::open(f.path(), true).is_ok();
         assert_eq!(p.reread.is_some_and(|r| r > 0.0), direct, "{p:?}");
         let one = disk_probe_best(f.path(), 1 << 20, 1, Duration::from_millis(50), false).expect("probe");
@@ -1048,7 +1168,9 @@ mod tests {
     #[test]
     fn the_disk_probe_refuses_a_file_smaller_than_a_record() {
         let f = file_of(4096);
-        let err = disk_probe_file(f.path(), 1 << 20, 1, Duration::from_millis(10), true).unwrap_err();
+        let mut buffers = ProbeBuffers::new(1 << 20, 1).expect("buffers");
+        let err =
+            disk_probe_file(f.path(), 1 << 20, (1, 1), Duration::from_millis(10), true, &mut buffers).unwrap_err();
         assert!(err.to_string().contains("smaller than one record"), "{err}");
     }
 }

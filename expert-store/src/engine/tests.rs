@@ -1080,3 +1080,53 @@ fn checksums_are_checked_on_a_records_first_read_and_a_bad_one_fails_every_read(
     assert_eq!(src.hashed(), 2);
     drop(read(&src, 1));
 }
+
+/// A packed record longer than [`READ_PIECE`] is read as pieces side by side, each into its place, and its
+/// checksum covers the whole record.
+#[test]
+fn a_long_read_is_cut_into_pieces_read_side_by_side() {
+    let len = 2 * READ_PIECE + 3 * 4096;
+    let data: Vec<u8> = (0..2 * len)
+        .map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[3])
+        .collect();
+    let layouts = (0..2)
+        .map(|e| RecordLayout {
+            reads: vec![ReadOp {
+                file: 0,
+                offset: (e * len) as u64,
+                len,
+                slot_offset: 0,
+                needed: len,
+            }],
+            parts: vec![(0, 100), (100, len - 100)],
+            checksum: Some(xxhash_rust::xxh3::xxh3_64(&data[e * len..(e + 1) * len])),
+            rewritten: None,
+        })
+        .collect();
+    let file = Arc::new(MemFile {
+        data: data.clone(),
+        path: PathBuf::from("/test/experts.bin"),
+        gate: Mutex::default(),
+        changed: Condvar::new(),
+    });
+    let files: Vec<Arc<dyn ReadAt>> = vec![file.clone()];
+    let table = RecordTable::new(files, HashMap::from([(LAYER, layouts)]));
+    assert_eq!(table.max_pieces_per_record(), 3);
+    let slot = len.next_multiple_of(SLOT_ALIGN) as u64;
+    let src = StreamingSource::new(table, &options(2 * slot, 2)).unwrap();
+    file.close();
+    let rec = std::thread::scope(|s| {
+        let fetch = s.spawn(|| src.read_expert(LAYER, 1).unwrap());
+        // One record, so one I/O thread: its three pieces can only all start at once if they run side by side.
+        file.wait_started(3);
+        file.open();
+        fetch.join().unwrap()
+    });
+    let mut started = file.reads();
+    started.sort_unstable();
+    assert_eq!(started, [0, READ_PIECE, 2 * READ_PIECE].map(|o| (len + o) as u64));
+    let got: Vec<u8> = rec.parts.iter().flat_map(|p| p.iter().copied()).collect();
+    assert!(got == data[len..], "record 1's bytes, in order");
+    assert_eq!(src.hashed(), 1);
+    assert_eq!(counters(&src).bytes_read(), len as u64);
+}
