@@ -116,7 +116,8 @@ impl ReadOp {
     /// This read cut into reads of at most `piece` bytes (a multiple of [`DIRECT_ALIGN`]), in order, each with
     /// its share of `needed`.
     pub fn pieces(&self, piece: usize) -> impl Iterator<Item = ReadOp> + '_ {
-        (0..self.len.div_ceil(piece.max(1))).map(move |k| {
+        let piece = piece.max(1);
+        (0..self.len.div_ceil(piece)).map(move |k| {
             let at = k * piece;
             let len = piece.min(self.len - at);
             ReadOp {
@@ -289,11 +290,6 @@ impl RecordTable {
         let mut v: Vec<usize> = self.layers.keys().copied().collect();
         v.sort_unstable();
         v
-    }
-
-    /// The most reads any one record takes (1 for a packed store, one per part in place).
-    pub fn max_reads_per_record(&self) -> usize {
-        self.layers.values().flatten().map(|l| l.reads.len()).max().unwrap_or(0)
     }
 
     /// The most reads of at most [`READ_PIECE`] bytes any one record takes.
