@@ -42,7 +42,7 @@ use lru::LruCache;
 use crate::aligned::{Prefault, SlotBuf};
 use crate::counters::StoreCounters;
 use crate::experts::{ExpertFetch, ExpertRecord, ExpertSource};
-use crate::layout::{read_full, ReadOp, RecordLayout, RecordTable, READ_PIECE};
+use crate::layout::{read_full, ReadOp, RecordLayout, RecordTable};
 use crate::{OwnedBytes, StoreError};
 
 type Key = (usize, usize);
@@ -292,7 +292,7 @@ struct Inner {
     slots: usize,
     slot_len: usize,
     /// Threads that run a record's reads side by side when it takes more than one (records read in place
-    /// from a checkpoint: one read per tensor; reads longer than [`READ_PIECE`]: one per piece); `None` when
+    /// from a checkpoint: one read per tensor; reads longer than [`crate::READ_PIECE`]: one per piece); `None` when
     /// every record is one read.
     part_readers: Option<rayon::ThreadPool>,
     /// Times a fetch blocked waiting for a read to land.
@@ -813,7 +813,12 @@ impl Inner {
             }
             let (dst, tail) = std::mem::take(&mut rest)[skip..].split_at_mut(r.len);
             (rest, at) = (tail, r.slot_offset + r.len);
-            reads.extend(r.pieces(READ_PIECE).zip(dst.chunks_mut(READ_PIECE)));
+            let mut dst = dst;
+            for piece in r.pieces() {
+                let (head, tail) = std::mem::take(&mut dst).split_at_mut(piece.len);
+                reads.push((piece, head));
+                dst = tail;
+            }
         }
         let total = match &self.part_readers {
             Some(pool) if reads.len() > 1 => {

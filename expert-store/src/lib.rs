@@ -31,7 +31,8 @@ pub use engine::{panic_message, EngineOptions, StreamingSource, DEFAULT_GUESS_DE
 pub use error::StoreError;
 pub use experts::{ExpertFetch, ExpertRecord, ExpertSource, InMemoryExpertSource, MmapExpertSource, StackedExperts};
 pub use layout::{
-    read_full, PosixFile, ReadAt, ReadOp, RecordLayout, RecordTable, RecordTransform, DIRECT_ALIGN, READ_PIECE,
+    piece_len, read_full, PosixFile, ReadAt, ReadOp, RecordLayout, RecordTable, RecordTransform, DIRECT_ALIGN,
+    READ_PIECE,
 };
 pub use store::{
     convert, is_store, ConvertOptions, LayerManifest, Manifest, PackedStore, PartManifest, RecordManifest, DATA_FILE,

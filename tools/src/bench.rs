@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use expert_store::{
-    lru_misses, optimal_misses, CounterSnapshot, ExpertFetch, ExpertRecord, ExpertSource, PosixFile, ReadAt, RecordKey,
-    SlotBuf, StoreCounters, StoreError, TracingSource, DIRECT_ALIGN, READ_PIECE,
+    lru_misses, optimal_misses, piece_len, CounterSnapshot, ExpertFetch, ExpertRecord, ExpertSource, PosixFile, ReadAt,
+    RecordKey, SlotBuf, StoreCounters, StoreError, TracingSource, DIRECT_ALIGN,
 };
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
@@ -191,7 +191,7 @@ pub(crate) struct Report {
     pub(crate) disk_reread_gb_s: Option<f64>,
     /// The depth at which the probe read fastest (the one `disk_probe_gb_s` gives).
     pub(crate) disk_probe_depth: Option<usize>,
-    /// Reads each record was cut into at that best (1: whole records; else pieces of at most `READ_PIECE`).
+    /// Reads each record was cut into at that best (1: whole records; else the engine's pieces, `piece_len`).
     pub(crate) disk_probe_pieces: Option<usize>,
     /// The faster of the two patterns below: the machine's DRAM limit.
     pub(crate) dram_probe_gb_s: Option<f64>,
@@ -740,15 +740,16 @@ pub(crate) fn disk_probe_best(
 ) -> Result<DiskProbe> {
     let shapes = probe_shapes(record, depth);
     let each = time / shapes.len() as u32;
-    let mut buffers = ProbeBuffers::new(record, max_probe_threads(&shapes))?;
+    let mut buffers = ProbeBuffers::new(record, max_probe_threads(record, &shapes))?;
     let mut best = (shapes.into_iter())
-        .map(|(d, pieces)| disk_probe_file(file, record, (d, pieces), each, false, &mut buffers))
+        .map(|(d, split)| disk_probe_file(file, record, (d, split), each, false, &mut buffers))
         .collect::<Result<Vec<_>>>()?
         .into_iter()
         .max_by(|a, b| a.fresh.total_cmp(&b.fresh))
         .context("no probe depth")?;
     if reread {
-        best.reread = disk_probe_file(file, record, (best.depth, best.pieces), each, true, &mut buffers)?.reread;
+        let split = best.pieces > 1;
+        best.reread = disk_probe_file(file, record, (best.depth, split), each, true, &mut buffers)?.reread;
     }
     Ok(best)
 }
@@ -758,10 +759,10 @@ pub(crate) fn disk_probe_best(
 pub(crate) fn disk_probe_depths(file: &Path, record: u64, depth: usize, time: Duration) -> Result<Vec<DiskProbe>> {
     let shapes = probe_shapes(record, depth);
     let each = time / shapes.len() as u32;
-    let mut buffers = ProbeBuffers::new(record, max_probe_threads(&shapes))?;
+    let mut buffers = ProbeBuffers::new(record, max_probe_threads(record, &shapes))?;
     let mut best: Vec<DiskProbe> = Vec::new();
-    for (d, pieces) in shapes {
-        let p = disk_probe_file(file, record, (d, pieces), each, false, &mut buffers)?;
+    for (d, split) in shapes {
+        let p = disk_probe_file(file, record, (d, split), each, false, &mut buffers)?;
         match best.iter_mut().find(|b| b.depth == d) {
             Some(b) if b.fresh >= p.fresh => {}
             Some(b) => *b = p,
@@ -771,32 +772,43 @@ pub(crate) fn disk_probe_depths(file: &Path, record: u64, depth: usize, time: Du
     Ok(best)
 }
 
-/// The (depth, pieces) a probe tries: each depth of [`sluice_runtime::forecast::probe_depths`] with whole
-/// reads, and with pieces of at most [`READ_PIECE`] (as the engine reads a longer one) when a record is larger.
+/// The (depth, split) a probe tries: each depth of [`sluice_runtime::forecast::probe_depths`] with whole reads,
+/// and split into the engine's pieces ([`piece_len`]: at most [`expert_store::READ_PIECE`]) when a record is longer.
 /// On this VM three ~0.9 MB reads side by side read a 2.65 MB record 9–15% faster than one read (README,
 /// "`sluice bench`"); an in-place record's reads are pieces anyway (one per tensor), so a probe of whole reads
 /// alone would set too low a bar.
-fn probe_shapes(record: u64, depth: usize) -> Vec<(usize, usize)> {
-    let split = record.div_ceil(READ_PIECE as u64) as usize;
+fn probe_shapes(record: u64, depth: usize) -> Vec<(usize, bool)> {
     let depths = sluice_runtime::forecast::probe_depths(depth);
-    let mut shapes: Vec<(usize, usize)> = depths.iter().map(|&d| (d, 1)).collect();
-    if split > 1 {
-        shapes.extend(depths.iter().map(|&d| (d, split)));
+    let mut shapes: Vec<(usize, bool)> = depths.iter().map(|&d| (d, false)).collect();
+    if pieces_of(record, true) > 1 {
+        shapes.extend(depths.iter().map(|&d| (d, true)));
     }
     shapes
 }
 
-fn max_probe_threads(shapes: &[(usize, usize)]) -> usize {
-    shapes.iter().map(|&(d, p)| d * p).max().unwrap_or(1)
+/// The reads a probe cuts a record of `record` bytes into: the engine's pieces when `split`, else one.
+fn pieces_of(record: u64, split: bool) -> usize {
+    let size = record.max(DIRECT_ALIGN).next_multiple_of(DIRECT_ALIGN) as usize;
+    if split {
+        size.div_ceil(piece_len(size))
+    } else {
+        1
+    }
 }
 
-/// Random reads of `record` bytes over `file`, `depth` records at a time, each cut into `pieces` reads side by
-/// side, into `buffers` in turn; bypassing the page cache when the filesystem allows O_DIRECT. `time` for the
+fn max_probe_threads(record: u64, shapes: &[(usize, bool)]) -> usize {
+    (shapes.iter().map(|&(d, split)| d * pieces_of(record, split)))
+        .max()
+        .unwrap_or(1)
+}
+
+/// Random reads of `record` bytes over `file`, `depth` records at a time, each read whole or (`split`) as the
+/// engine's pieces side by side, into `buffers` in turn; bypassing the page cache when the filesystem allows O_DIRECT. `time` for the
 /// fresh reads and as long again for the re-reads when `reread`.
 pub(crate) fn disk_probe_file(
     file: &Path,
     record: u64,
-    (depth, pieces): (usize, usize),
+    (depth, split): (usize, bool),
     time: Duration,
     reread: bool,
     buffers: &mut ProbeBuffers,
@@ -807,12 +819,12 @@ pub(crate) fn disk_probe_file(
     if len < size {
         bail!("{} is smaller than one record", file.display());
     }
-    let (depth, pieces) = (depth.max(1), pieces.max(1));
+    let (depth, pieces) = (depth.max(1), pieces_of(record, split));
     let threads = depth * pieces;
     if buffers.len < size as usize || buffers.slots.len() < threads {
         bail!("the probe's buffers are smaller than {threads} records of {size} bytes");
     }
-    let piece = size.div_ceil(pieces as u64).next_multiple_of(DIRECT_ALIGN);
+    let piece = if split { piece_len(size as usize) as u64 } else { size };
     let direct = PosixFile::open(&file, true);
     // Buffered, the re-reads would come from the guest's own page cache: no re-read then.
     let reread = reread && direct.is_ok();
@@ -1116,28 +1128,33 @@ mod tests {
         let f = file_of(8 << 20);
         let time = Duration::from_millis(150);
         let mut buffers = ProbeBuffers::new(1 << 20, 4).expect("buffers");
-        let both = disk_probe_file(f.path(), 1 << 20, (2, 1), time, true, &mut buffers).expect("probe");
+        let both = disk_probe_file(f.path(), 1 << 20, (2, false), time, true, &mut buffers).expect("probe");
         assert!(both.fresh > 0.0, "{both:?}");
         // Without O_DIRECT (tmpfs) the re-reads would come from the page cache, so there are none.
         let direct = PosixFile::open(f.path(), true).is_ok();
         assert_eq!(both.reread.is_some_and(|r| r > 0.0), direct, "{both:?}");
-        let fresh_only = disk_probe_file(f.path(), 1 << 20, (2, 2), time, false, &mut buffers).expect("probe");
+        let fresh_only = disk_probe_file(f.path(), 1 << 20, (2, false), time, false, &mut buffers).expect("probe");
         assert!(fresh_only.fresh > 0.0 && fresh_only.reread.is_none(), "{fresh_only:?}");
-        assert_eq!((fresh_only.depth, fresh_only.pieces), (2, 2));
+        assert_eq!((fresh_only.depth, fresh_only.pieces), (2, 1));
         // Buffers made for smaller records: refused, not read short.
-        assert!(disk_probe_file(f.path(), 2 << 20, (1, 1), time, false, &mut buffers).is_err());
+        assert!(disk_probe_file(f.path(), 2 << 20, (1, false), time, false, &mut buffers).is_err());
     }
 
     #[test]
     fn the_probe_tries_whole_records_and_pieces_at_each_depth() {
-        // A 2.5 MiB record: three pieces of at most 1 MiB; one of 1 MiB or less is only read whole.
+        // A 2.5 MiB record: the engine's three pieces of at most 1 MiB; one of 1 MiB or less is only read whole.
         let big = 5 << 19;
+        let (whole, split) = (false, true);
         assert_eq!(
             probe_shapes(big, 4),
-            vec![(1, 1), (2, 1), (4, 1), (1, 3), (2, 3), (4, 3)]
+            vec![(1, whole), (2, whole), (4, whole), (1, split), (2, split), (4, split)]
         );
-        assert_eq!(probe_shapes(READ_PIECE as u64, 2), vec![(1, 1), (2, 1)]);
-        assert_eq!(max_probe_threads(&probe_shapes(big, 4)), 12);
+        assert_eq!((pieces_of(big, split), pieces_of(big, whole)), (3, 1));
+        assert_eq!(
+            probe_shapes(expert_store::READ_PIECE as u64, 2),
+            vec![(1, whole), (2, whole)]
+        );
+        assert_eq!(max_probe_threads(big, &probe_shapes(big, 4)), 12);
         // Each reader's buffers are its own and the pool spans PROBE_POOL (or two per reader).
         let b = ProbeBuffers::new(big, 12).expect("buffers");
         assert!(
@@ -1169,8 +1186,15 @@ mod tests {
     fn the_disk_probe_refuses_a_file_smaller_than_a_record() {
         let f = file_of(4096);
         let mut buffers = ProbeBuffers::new(1 << 20, 1).expect("buffers");
-        let err =
-            disk_probe_file(f.path(), 1 << 20, (1, 1), Duration::from_millis(10), true, &mut buffers).unwrap_err();
+        let err = disk_probe_file(
+            f.path(),
+            1 << 20,
+            (1, false),
+            Duration::from_millis(10),
+            true,
+            &mut buffers,
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("smaller than one record"), "{err}");
     }
 }
