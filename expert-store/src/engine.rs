@@ -292,8 +292,8 @@ struct Inner {
     slots: usize,
     slot_len: usize,
     /// Threads that run a record's reads side by side when it takes more than one (records read in place
-    /// from a checkpoint: one read per tensor; reads longer than [`crate::READ_PIECE`]: one per piece); `None` when
-    /// every record is one read.
+    /// from a checkpoint: one read per tensor; reads longer than [`crate::READ_PIECE`]: one per piece); `None`
+    /// when every record is one read.
     part_readers: Option<rayon::ThreadPool>,
     /// Times a fetch blocked waiting for a read to land.
     #[cfg(test)]

@@ -738,13 +738,8 @@ pub(crate) fn disk_probe_best(
     time: Duration,
     reread: bool,
 ) -> Result<DiskProbe> {
-    let shapes = probe_shapes(record, depth);
-    let each = time / shapes.len() as u32;
-    let mut buffers = ProbeBuffers::new(record, max_probe_threads(record, &shapes))?;
-    let mut best = (shapes.into_iter())
-        .map(|(d, split)| disk_probe_file(file, record, (d, split), each, false, &mut buffers))
-        .collect::<Result<Vec<_>>>()?
-        .into_iter()
+    let (by_depth, mut buffers, each) = probe_each_depth(file, record, depth, time)?;
+    let mut best = (by_depth.into_iter())
         .max_by(|a, b| a.fresh.total_cmp(&b.fresh))
         .context("no probe depth")?;
     if reread {
@@ -757,6 +752,17 @@ pub(crate) fn disk_probe_best(
 /// Fresh reads over `file` at depths 1, 2, 4, … up to `depth`, `time` split between the probes: per depth, the
 /// faster of whole reads and reads in pieces.
 pub(crate) fn disk_probe_depths(file: &Path, record: u64, depth: usize, time: Duration) -> Result<Vec<DiskProbe>> {
+    Ok(probe_each_depth(file, record, depth, time)?.0)
+}
+
+/// Every shape of [`probe_shapes`] probed in turn: per depth the faster shape, with the buffers they read into
+/// and the time each probe took (for a re-read pass at the best).
+fn probe_each_depth(
+    file: &Path,
+    record: u64,
+    depth: usize,
+    time: Duration,
+) -> Result<(Vec<DiskProbe>, ProbeBuffers, Duration)> {
     let shapes = probe_shapes(record, depth);
     let each = time / shapes.len() as u32;
     let mut buffers = ProbeBuffers::new(record, max_probe_threads(record, &shapes))?;
@@ -769,11 +775,12 @@ pub(crate) fn disk_probe_depths(file: &Path, record: u64, depth: usize, time: Du
             None => best.push(p),
         }
     }
-    Ok(best)
+    Ok((best, buffers, each))
 }
 
 /// The (depth, split) a probe tries: each depth of [`sluice_runtime::forecast::probe_depths`] with whole reads,
-/// and split into the engine's pieces ([`piece_len`]: at most [`expert_store::READ_PIECE`]) when a record is longer.
+/// and split into the engine's pieces ([`piece_len`]: at most [`expert_store::READ_PIECE`]) when a record is
+/// longer.
 /// On this VM three ~0.9 MB reads side by side read a 2.65 MB record 9–15% faster than one read (README,
 /// "`sluice bench`"); an in-place record's reads are pieces anyway (one per tensor), so a probe of whole reads
 /// alone would set too low a bar.
@@ -803,8 +810,8 @@ fn max_probe_threads(record: u64, shapes: &[(usize, bool)]) -> usize {
 }
 
 /// Random reads of `record` bytes over `file`, `depth` records at a time, each read whole or (`split`) as the
-/// engine's pieces side by side, into `buffers` in turn; bypassing the page cache when the filesystem allows O_DIRECT. `time` for the
-/// fresh reads and as long again for the re-reads when `reread`.
+/// engine's pieces side by side, into `buffers` in turn; bypassing the page cache when the filesystem allows
+/// O_DIRECT. `time` for the fresh reads and as long again for the re-reads when `reread`.
 pub(crate) fn disk_probe_file(
     file: &Path,
     record: u64,
