@@ -486,8 +486,12 @@ mod q8_kernels {
     /// for every token count (four per pass, then one), group size, scale type and width (whole 128-column
     /// steps or a shorter last one).
     fn band_equals_tiled(bands: usize, groups: usize, group: usize, n: usize, st: FloatType, seed: u64) {
-        let m = RandomQ4::new(16 * bands, group * groups, group, n, st, seed);
-        let (rows, cols) = (m.rows, m.cols);
+        band_equals_tiled_on(&RandomQ4::new(16 * bands, group * groups, group, n, st, seed), n);
+    }
+
+    /// [`band_equals_tiled`] on one matrix and its `n` tokens.
+    fn band_equals_tiled_on(m: &RandomQ4, n: usize) {
+        let (rows, cols, group, st) = (m.rows, m.cols, m.group, m.st);
         let band = Q8Kernel::for_matrix(&m.q(), Isa::Avx512).expect("a 4-bit kernel");
         assert!(band.band, "whole bands take the band kernel");
         let (ba, ta) = (
@@ -630,6 +634,29 @@ mod q8_kernels {
     fn assert_same_bits(got: &[f32], want: &[f32], n: usize) {
         for (i, (g, w)) in got.iter().zip(want).enumerate() {
             assert_eq!(g.to_bits(), w.to_bits(), "row {} token {}: {g} vs {w}", i / n, i % n);
+        }
+    }
+
+    /// The band kernel sums lanes as i16 on the way: at the largest codes (15) and activations (±127 after
+    /// quantizing), of one sign and alternating, its sums stay exact (the tiled kernel's bits).
+    #[test]
+    fn band_sums_stay_exact_at_their_largest() {
+        if !q8::vnni_available() {
+            return;
+        }
+        for (group, st) in [(32, FloatType::F32), (64, FloatType::BF16), (128, FloatType::F16)] {
+            for sign in [1f32, -1.0, 0.0] {
+                let n = 5;
+                let mut m = RandomQ4::new(32, 512, group, n, st, 7);
+                m.packed.fill(0xff);
+                for (i, v) in m.x.iter_mut().enumerate() {
+                    // 0.0: signs alternating in runs of 8, so neighbouring lanes cancel and each alone is largest.
+                    let s = if sign == 0.0 { [1.0, -1.0][(i / 8) % 2] } else { sign };
+                    *v = 2.5 * s;
+                }
+                m.xsum = group_sums(&m.x, group);
+                band_equals_tiled_on(&m, n);
+            }
         }
     }
 
