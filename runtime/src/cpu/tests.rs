@@ -644,15 +644,16 @@ mod q8_kernels {
         if !q8::vnni_available() {
             return;
         }
+        // Column `i`'s sign: all one way, or alternating in runs of 8 (one lane's columns), so neighbouring
+        // lanes cancel and each alone is largest.
+        let signs: [fn(usize) -> f32; 3] = [|_| 1.0, |_| -1.0, |i| [1.0, -1.0][(i / 8) % 2]];
         for (group, st) in [(32, FloatType::F32), (64, FloatType::BF16), (128, FloatType::F16)] {
-            for sign in [1f32, -1.0, 0.0] {
+            for sign in signs {
                 let n = 5;
                 let mut m = RandomQ4::new(32, 512, group, n, st, 7);
                 m.packed.fill(0xff);
                 for (i, v) in m.x.iter_mut().enumerate() {
-                    // 0.0: signs alternating in runs of 8, so neighbouring lanes cancel and each alone is largest.
-                    let s = if sign == 0.0 { [1.0, -1.0][(i / 8) % 2] } else { sign };
-                    *v = 2.5 * s;
+                    *v = 2.5 * sign(i % m.cols);
                 }
                 m.xsum = group_sums(&m.x, group);
                 band_equals_tiled_on(&m, n);
