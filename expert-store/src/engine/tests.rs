@@ -549,6 +549,30 @@ fn guesses_are_read_at_most_guess_depth_at_once() {
     assert_eq!((c.prefetch_issued, c.prefetch_cancelled, c.reads), (3, 1, 3), "{c:?}");
 }
 
+/// Guesses held back by the limit wake no I/O thread when queued (it would find nothing to take); the thread
+/// whose guess lands takes the next, so every one is still read, `guess_depth` at a time.
+#[test]
+fn held_back_guesses_are_all_read_in_turn() {
+    let (t, file) = table();
+    let opts = EngineOptions {
+        guess_depth: 2,
+        ..options(8 * SLOT, 4)
+    };
+    let src = StreamingSource::new(t, &opts).unwrap();
+    file.close();
+    src.prefetch(LAYER, &[0, 1, 2, 3, 4, 5]);
+    file.wait_started(2);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(file.reads().len(), 2, "more guesses started than the limit allows");
+    file.open();
+    src.wait_idle();
+    let mut read = file.reads();
+    read.sort_unstable();
+    assert_eq!(read, offsets(&[0, 1, 2, 3, 4, 5]));
+    let c = counters(&src);
+    assert_eq!((c.prefetch_issued, c.reads), (6, 6), "{c:?}");
+}
+
 /// A prompt chunk's fetch (most of a layer) releases the guesses held back, and later ones are not held:
 /// they are nearly all right.
 #[test]
