@@ -30,6 +30,8 @@
 //! - A record has at most one entry and one read: an expert asked for twice in one fetch, or by two
 //!   fetches, shares the first request's read (a second read would replace the entry and lose a slot).
 
+mod part_pool;
+
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
@@ -44,6 +46,7 @@ use crate::counters::StoreCounters;
 use crate::experts::{ExpertFetch, ExpertRecord, ExpertSource};
 use crate::layout::{read_full, ReadOp, RecordLayout, RecordTable};
 use crate::{OwnedBytes, StoreError};
+use part_pool::{Part, PartPool};
 
 type Key = (usize, usize);
 
@@ -299,7 +302,7 @@ struct Inner {
     /// Threads that run a record's reads side by side when it takes more than one (records read in place
     /// from a checkpoint: one read per tensor; reads longer than [`crate::READ_PIECE`]: one per piece); `None`
     /// when every record is one read.
-    part_readers: Option<rayon::ThreadPool>,
+    part_readers: Option<PartPool>,
     /// Times a fetch blocked waiting for a read to land.
     #[cfg(test)]
     fetch_waits: std::sync::atomic::AtomicUsize,
@@ -342,13 +345,7 @@ impl StreamingSource {
         // lands in about one, and the step waits less (README, "Streaming experts from the SSD", item 1). A
         // packed record's one read is cut into pieces of at most READ_PIECE, read side by side too.
         let part_readers = if table.max_pieces_per_record() > 1 {
-            let threads = 2 * opts.io_depth.max(1);
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .thread_name(|i| format!("sluice-part-{i}"))
-                .build()
-                .map_err(|e| StoreError::Engine(format!("cannot start {threads} part-read threads: {e}")))?;
-            Some(pool)
+            Some(PartPool::new(2 * opts.io_depth.max(1), "sluice-part-"))
         } else {
             None
         };
@@ -834,17 +831,15 @@ impl Inner {
         let total = match &self.part_readers {
             Some(pool) if reads.len() > 1 => {
                 let mut done: Vec<Result<usize, String>> = vec![Ok(0); reads.len()];
-                // In place: the I/O thread itself waits, so no pool thread holds one record open while it runs another.
-                pool.in_place_scope(|s| {
-                    for ((r, dst), out) in reads.into_iter().zip(done.iter_mut()) {
-                        let read_one = &read_one;
-                        s.spawn(move |_| {
-                            let cpu = crate::platform::thread_cpu_time();
-                            *out = read_one(r, dst);
-                            add_cpu_since(&self.counters.read_cpu_ns, cpu);
-                        });
-                    }
+                let parts = reads.into_iter().zip(done.iter_mut()).map(|((r, dst), out)| {
+                    let read_one = &read_one;
+                    Box::new(move || {
+                        let cpu = crate::platform::thread_cpu_time();
+                        *out = read_one(r, dst);
+                        add_cpu_since(&self.counters.read_cpu_ns, cpu);
+                    }) as Part<'_>
                 });
+                pool.run_all(parts.collect());
                 done.into_iter().sum::<Result<usize, String>>()?
             }
             _ => (reads.into_iter().map(|(r, dst)| read_one(r, dst))).sum::<Result<usize, String>>()?,
