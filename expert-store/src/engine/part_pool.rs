@@ -2,7 +2,7 @@
 //!
 //! A record read in place from a checkpoint takes nine reads (one per tensor) and a long packed record one per
 //! piece; run one after another they would cost nine latencies (README, "Streaming experts from the SSD",
-//! item 1). Until 2026-11-30 a rayon pool ran them. Its idle threads look for work with `sched_yield` for a
+//! item 1). Until 2026-11-29 a rayon pool ran them. Its idle threads look for work with `sched_yield` for a
 //! while before they sleep, and sixteen of them did so after every read, on the two cores the decode step
 //! computes on: in a warm `large` run each part thread was switched out involuntarily twice as often as it
 //! slept. These threads wait on a condition variable instead, and the thread that asks for a record runs one of
@@ -11,8 +11,10 @@
 use std::any::Any;
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
+
+use super::lock;
 
 /// One read (or any short job) for the pool, borrowing from the caller of [`PartPool::run_all`].
 pub(crate) type Part<'a> = Box<dyn FnOnce() + Send + 'a>;
@@ -43,11 +45,6 @@ struct Queue {
 struct Batch {
     state: Mutex<(usize, Option<Box<dyn Any + Send>>)>,
     finished: Condvar,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Jobs run outside the lock and their panics are caught, so a poisoned lock holds consistent data.
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl PartPool {
