@@ -48,11 +48,11 @@ struct Batch {
 }
 
 impl PartPool {
-    /// Starts `threads` threads named `{name}{i}`; fewer when the OS refuses some (with none, parts run on
-    /// the caller's thread).
+    /// Starts up to `threads` threads named `{name}{i}`, stopping at the first the OS refuses (with none,
+    /// parts run on the caller's thread, one after another).
     pub(crate) fn new(threads: usize, name: &str) -> Self {
         let shared = Arc::new(Shared::default());
-        let threads = (0..threads)
+        let started: Vec<JoinHandle<()>> = (0..threads)
             .map_while(|i| {
                 let shared = Arc::clone(&shared);
                 std::thread::Builder::new()
@@ -61,32 +61,54 @@ impl PartPool {
                     .ok()
             })
             .collect();
-        Self { shared, threads }
+        if started.len() < threads {
+            tracing::warn!(
+                "started {} of {threads} part-read threads: a record's reads run less side by side",
+                started.len()
+            );
+        }
+        Self {
+            shared,
+            threads: started,
+        }
     }
 
     /// Runs every part, the first on this thread and the others on the pool's, and returns once all have
-    /// finished; a panic in any of them is raised here after that.
+    /// finished; the first panic among them is raised here after that. A part must not call `run_all` on the
+    /// same pool (with every pool thread waiting inside one, nothing would run the inner parts).
     pub(crate) fn run_all(&self, mut parts: Vec<Part<'_>>) {
         if parts.is_empty() {
             return;
         }
         let mine = parts.remove(0);
         if self.threads.is_empty() {
-            parts.into_iter().for_each(|p| p());
-            return mine();
+            let mut first_panic = None;
+            for part in std::iter::once(mine).chain(parts) {
+                if let Err(payload) = catch_unwind(AssertUnwindSafe(part)) {
+                    first_panic.get_or_insert(payload);
+                }
+            }
+            if let Some(payload) = first_panic {
+                resume_unwind(payload);
+            }
+            return;
         }
         let batch = Arc::new(Batch::default());
-        lock(&batch.state).0 = parts.len();
+        // From here on, leaving this function by any path (a return or an unwind) first waits for every part
+        // counted in `batch`: the guarantee the lifetime erasure below rests on.
+        let all_finished = WaitForBatch(&batch);
         let handed = parts.len();
         {
             let mut q = lock(&self.shared.queue);
             for part in parts {
                 let batch = Arc::clone(&batch);
-                // SAFETY: the part borrows only from this call's caller, and this function neither returns nor
-                // unwinds before `batch` counts every queued part as finished (the loop below); the queue is
-                // drained only by the pool's threads, which stop only in `drop`, which cannot run while `self`
-                // is borrowed here, and each runs its job to the end (panics caught). So no borrow is used
-                // after it ends, which is all the lifetime erased here promised.
+                // SAFETY: the part borrows only from this call's caller. It is counted in `batch` as it is
+                // queued, and `all_finished` (dropped on every path out of this function, unwinding included)
+                // blocks until the count is back to 0. The wrapper below lowers the count only after the part
+                // has run and been dropped (its panic caught), and touches only the `Arc<Batch>` and the
+                // `'static` panic payload afterwards. Pool threads pop every queued job before they stop, and
+                // they stop only in `drop`, which cannot run while `self` is borrowed here. So no borrow is
+                // used after this call ends, which is all the lifetime erased here promised.
                 let part: Queued = unsafe { std::mem::transmute::<Part<'_>, Queued>(part) };
                 q.jobs.push_back(Box::new(move || {
                     let panicked = catch_unwind(AssertUnwindSafe(part)).err();
@@ -99,19 +121,31 @@ impl PartPool {
                         batch.finished.notify_all();
                     }
                 }));
+                // Counted once queued (a failed push leaves nothing to wait for), under the queue's lock, so
+                // no pool thread can have taken it yet.
+                lock(&all_finished.0.state).0 += 1;
             }
         }
         for _ in 0..handed.min(self.threads.len()) {
             self.shared.work.notify_one();
         }
         let own = catch_unwind(AssertUnwindSafe(mine)).err();
-        let mut st = lock(&batch.state);
-        while st.0 > 0 {
-            st = batch.finished.wait(st).unwrap_or_else(|e| e.into_inner());
-        }
-        if let Some(payload) = own.or_else(|| st.1.take()) {
-            drop(st);
+        drop(all_finished);
+        let theirs = lock(&batch.state).1.take();
+        if let Some(payload) = own.or(theirs) {
             resume_unwind(payload);
+        }
+    }
+}
+
+/// Waits, when dropped, until every part counted in its batch has finished.
+struct WaitForBatch<'b>(&'b Batch);
+
+impl Drop for WaitForBatch<'_> {
+    fn drop(&mut self) {
+        let mut st = lock(&self.0.state);
+        while st.0 > 0 {
+            st = self.0.finished.wait(st).unwrap_or_else(|e| e.into_inner());
         }
     }
 }
@@ -131,7 +165,9 @@ impl Shared {
                     q = self.work.wait(q).unwrap_or_else(|e| e.into_inner());
                 }
             };
-            job();
+            // A job catches its part's panic itself; this catches one from dropping a second panic's payload,
+            // so no thread of the pool can die and leave queued parts unrun.
+            let _ = catch_unwind(AssertUnwindSafe(job));
         }
     }
 }
@@ -150,90 +186,145 @@ impl Drop for PartPool {
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use std::time::Duration;
 
-    #[test]
-    fn every_part_runs_once_and_writes_its_own_slice() {
-        let pool = PartPool::new(3, "test-part-");
-        for round in 0..200usize {
-            let mut buf = vec![0u32; 9 * 7];
-            let parts: Vec<Part<'_>> = buf
-                .chunks_mut(7)
-                .enumerate()
-                .map(|(i, chunk)| {
-                    Box::new(move || chunk.iter_mut().for_each(|v| *v += (round * 100 + i) as u32 + 1)) as Part<'_>
-                })
-                .collect();
-            pool.run_all(parts);
-            for (i, chunk) in buf.chunks(7).enumerate() {
-                assert!(
-                    chunk.iter().all(|&v| v == (round * 100 + i) as u32 + 1),
-                    "round {round} part {i}"
-                );
-            }
+    /// Runs `test` on its own thread and fails if it has not ended within 60 s: a pool that loses a part
+    /// hangs rather than fails.
+    fn within_a_minute(test: impl FnOnce() + Send + 'static) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let outcome = catch_unwind(AssertUnwindSafe(test));
+            let _ = tx.send(outcome);
+        });
+        match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(Ok(())) => {}
+            Ok(Err(panic)) => resume_unwind(panic),
+            Err(_) => panic!("the test did not end within 60 s: a part was never run or never counted"),
         }
     }
 
     #[test]
-    fn callers_on_many_threads_each_wait_for_their_own_parts() {
-        let pool = PartPool::new(4, "test-part-");
-        let ran = AtomicUsize::new(0);
-        std::thread::scope(|s| {
-            for _ in 0..6 {
-                s.spawn(|| {
-                    for _ in 0..100 {
-                        let mut seen = [0u8; 5];
-                        let parts: Vec<Part<'_>> = seen
-                            .iter_mut()
-                            .map(|v| {
-                                let ran = &ran;
-                                Box::new(move || {
-                                    *v += 1;
-                                    ran.fetch_add(1, SeqCst);
-                                }) as Part<'_>
-                            })
-                            .collect();
-                        pool.run_all(parts);
-                        assert_eq!(seen, [1; 5]);
-                    }
-                });
+    fn every_part_runs_once_and_writes_its_own_slice() {
+        within_a_minute(|| {
+            let pool = PartPool::new(3, "test-part-");
+            for round in 0..200usize {
+                let mut buf = vec![0u32; 9 * 7];
+                let parts: Vec<Part<'_>> = buf
+                    .chunks_mut(7)
+                    .enumerate()
+                    .map(|(i, chunk)| {
+                        let add = (round * 100 + i) as u32 + 1;
+                        Box::new(move || chunk.iter_mut().for_each(|v| *v += add)) as Part<'_>
+                    })
+                    .collect();
+                pool.run_all(parts);
+                for (i, chunk) in buf.chunks(7).enumerate() {
+                    assert!(
+                        chunk.iter().all(|&v| v == (round * 100 + i) as u32 + 1),
+                        "round {round} part {i}"
+                    );
+                }
             }
         });
-        assert_eq!(ran.load(SeqCst), 6 * 100 * 5);
     }
 
     #[test]
-    fn a_panicking_part_is_raised_after_the_others_finish() {
-        let pool = PartPool::new(2, "test-part-");
+    fn callers_on_many_threads_each_wait_for_their_own_parts() {
+        within_a_minute(|| {
+            let pool = PartPool::new(4, "test-part-");
+            let ran = AtomicUsize::new(0);
+            std::thread::scope(|s| {
+                for _ in 0..6 {
+                    s.spawn(|| {
+                        for _ in 0..100 {
+                            let mut seen = [0u8; 5];
+                            let parts: Vec<Part<'_>> = seen
+                                .iter_mut()
+                                .map(|v| {
+                                    let ran = &ran;
+                                    Box::new(move || {
+                                        // Long enough that a caller returning early would see a part unfinished.
+                                        std::thread::sleep(Duration::from_micros(200));
+                                        *v += 1;
+                                        ran.fetch_add(1, SeqCst);
+                                    }) as Part<'_>
+                                })
+                                .collect();
+                            pool.run_all(parts);
+                            assert_eq!(seen, [1; 5]);
+                        }
+                    });
+                }
+            });
+            assert_eq!(ran.load(SeqCst), 6 * 100 * 5);
+        });
+    }
+
+    /// Six parts, part `failing` panics and the others wait and then count themselves: the panic must reach
+    /// the caller only after the other five finished, and the pool must serve afterwards.
+    fn panic_raised_after_the_others(threads: usize, failing: usize) {
+        let pool = PartPool::new(threads, "test-part-");
         let finished = AtomicUsize::new(0);
+        // The other parts finish only after this instant: well after the failing part's panic (its hook may
+        // print a backtrace), so a caller that did not wait for them would see them unfinished.
+        let open_at = std::time::Instant::now() + Duration::from_millis(500);
         let result = catch_unwind(AssertUnwindSafe(|| {
             let parts: Vec<Part<'_>> = (0..6)
                 .map(|i| {
                     let finished = &finished;
                     Box::new(move || {
-                        if i == 3 {
-                            panic!("part 3 fails");
+                        if i == failing {
+                            panic!("part {i} fails");
                         }
-                        std::thread::sleep(std::time::Duration::from_millis(20));
+                        while std::time::Instant::now() < open_at {
+                            std::thread::sleep(Duration::from_millis(5));
+                        }
                         finished.fetch_add(1, SeqCst);
                     }) as Part<'_>
                 })
                 .collect();
             pool.run_all(parts);
         }));
-        assert!(result.is_err(), "the panic reaches the caller");
+        let message = result.expect_err("the panic reaches the caller");
+        assert_eq!(
+            message.downcast_ref::<String>().map(String::as_str),
+            Some(format!("part {failing} fails").as_str())
+        );
         assert_eq!(finished.load(SeqCst), 5, "every other part ran to the end first");
-        // The pool still serves.
-        let mut x = 0;
-        pool.run_all(vec![Box::new(|| x = 1), Box::new(|| {})]);
-        assert_eq!(x, 1);
+        // Every thread of the pool still serves: more parts than threads, each waiting for the others.
+        let arrived = std::sync::Barrier::new(threads + 1);
+        let parts: Vec<Part<'_>> = (0..=threads)
+            .map(|_| {
+                let arrived = &arrived;
+                Box::new(move || {
+                    arrived.wait();
+                }) as Part<'_>
+            })
+            .collect();
+        if threads > 0 {
+            pool.run_all(parts);
+        }
     }
 
     #[test]
-    fn a_pool_without_threads_runs_parts_on_the_caller() {
-        let pool = PartPool::new(0, "test-part-");
-        let mut v = [0; 3];
-        let parts: Vec<Part<'_>> = v.iter_mut().map(|x| Box::new(move || *x = 7) as Part<'_>).collect();
-        pool.run_all(parts);
-        assert_eq!(v, [7; 3]);
+    fn a_panicking_part_is_raised_after_the_others_finish() {
+        within_a_minute(|| panic_raised_after_the_others(2, 3));
+    }
+
+    #[test]
+    fn a_panic_in_the_callers_own_part_waits_for_the_others_too() {
+        within_a_minute(|| panic_raised_after_the_others(2, 0));
+    }
+
+    #[test]
+    fn a_pool_without_threads_runs_every_part_on_the_caller() {
+        within_a_minute(|| {
+            let pool = PartPool::new(0, "test-part-");
+            let mut v = [0; 3];
+            let parts: Vec<Part<'_>> = v.iter_mut().map(|x| Box::new(move || *x = 7) as Part<'_>).collect();
+            pool.run_all(parts);
+            assert_eq!(v, [7; 3]);
+            panic_raised_after_the_others(0, 2);
+        });
     }
 }
