@@ -301,7 +301,7 @@ struct Inner {
     slot_len: usize,
     /// Threads that run a record's reads side by side when it takes more than one (records read in place
     /// from a checkpoint: one read per tensor; reads longer than [`crate::READ_PIECE`]: one per piece); `None`
-    /// when every record is one read.
+    /// when every record is one read, or when no such thread could start (reads then run one after another).
     part_readers: Option<PartPool>,
     /// Times a fetch blocked waiting for a read to land.
     #[cfg(test)]
@@ -345,7 +345,7 @@ impl StreamingSource {
         // lands in about one, and the step waits less (README, "Streaming experts from the SSD", item 1). A
         // packed record's one read is cut into pieces of at most READ_PIECE, read side by side too.
         let part_readers = if table.max_pieces_per_record() > 1 {
-            Some(PartPool::new(2 * opts.io_depth.max(1), "sluice-part-"))
+            PartPool::new(2 * opts.io_depth.max(1), "sluice-part-")
         } else {
             None
         };

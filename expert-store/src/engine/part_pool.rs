@@ -48,9 +48,9 @@ struct Batch {
 }
 
 impl PartPool {
-    /// Starts up to `threads` threads named `{name}{i}`, stopping at the first the OS refuses (with none,
-    /// parts run on the caller's thread, one after another).
-    pub(crate) fn new(threads: usize, name: &str) -> Self {
+    /// Starts up to `threads` threads named `{name}{i}`, stopping at the first the OS refuses; `None` when
+    /// none started (the caller then runs its reads one after another, as for a one-read record).
+    pub(crate) fn new(threads: usize, name: &str) -> Option<Self> {
         let shared = Arc::new(Shared::default());
         let started: Vec<JoinHandle<()>> = (0..threads)
             .map_while(|i| {
@@ -63,14 +63,15 @@ impl PartPool {
             .collect();
         if started.len() < threads {
             tracing::warn!(
-                "started {} of {threads} part-read threads: a record's reads run less side by side",
+                "started {} of {threads} part-read threads: a record's reads run less side by side (with none, one \
+                 after another)",
                 started.len()
             );
         }
-        Self {
+        (!started.is_empty()).then_some(Self {
             shared,
             threads: started,
-        }
+        })
     }
 
     /// Runs every part, the first on this thread and the others on the pool's, and returns once all have
@@ -81,18 +82,6 @@ impl PartPool {
             return;
         }
         let mine = parts.remove(0);
-        if self.threads.is_empty() {
-            let mut first_panic = None;
-            for part in std::iter::once(mine).chain(parts) {
-                if let Err(payload) = catch_unwind(AssertUnwindSafe(part)) {
-                    first_panic.get_or_insert(payload);
-                }
-            }
-            if let Some(payload) = first_panic {
-                resume_unwind(payload);
-            }
-            return;
-        }
         let batch = Arc::new(Batch::default());
         // From here on, leaving this function by any path (a return or an unwind) first waits for every part
         // counted in `batch`: the guarantee the lifetime erasure below rests on.
@@ -206,7 +195,7 @@ mod tests {
     #[test]
     fn every_part_runs_once_and_writes_its_own_slice() {
         within_a_minute(|| {
-            let pool = PartPool::new(3, "test-part-");
+            let pool = PartPool::new(3, "test-part-").unwrap();
             for round in 0..200usize {
                 let mut buf = vec![0u32; 9 * 7];
                 let parts: Vec<Part<'_>> = buf
@@ -231,7 +220,7 @@ mod tests {
     #[test]
     fn callers_on_many_threads_each_wait_for_their_own_parts() {
         within_a_minute(|| {
-            let pool = PartPool::new(4, "test-part-");
+            let pool = PartPool::new(4, "test-part-").unwrap();
             let ran = AtomicUsize::new(0);
             std::thread::scope(|s| {
                 for _ in 0..6 {
@@ -263,7 +252,7 @@ mod tests {
     /// Six parts, part `failing` panics and the others wait and then count themselves: the panic must reach
     /// the caller only after the other five finished, and the pool must serve afterwards.
     fn panic_raised_after_the_others(threads: usize, failing: usize) {
-        let pool = PartPool::new(threads, "test-part-");
+        let pool = PartPool::new(threads, "test-part-").unwrap();
         let finished = AtomicUsize::new(0);
         // The other parts finish only after this instant: well after the failing part's panic (its hook may
         // print a backtrace), so a caller that did not wait for them would see them unfinished.
@@ -301,9 +290,7 @@ mod tests {
                 }) as Part<'_>
             })
             .collect();
-        if threads > 0 {
-            pool.run_all(parts);
-        }
+        pool.run_all(parts);
     }
 
     #[test]
@@ -317,14 +304,7 @@ mod tests {
     }
 
     #[test]
-    fn a_pool_without_threads_runs_every_part_on_the_caller() {
-        within_a_minute(|| {
-            let pool = PartPool::new(0, "test-part-");
-            let mut v = [0; 3];
-            let parts: Vec<Part<'_>> = v.iter_mut().map(|x| Box::new(move || *x = 7) as Part<'_>).collect();
-            pool.run_all(parts);
-            assert_eq!(v, [7; 3]);
-            panic_raised_after_the_others(0, 2);
-        });
+    fn a_pool_of_no_threads_is_none() {
+        assert!(PartPool::new(0, "test-part-").is_none());
     }
 }
