@@ -2108,6 +2108,29 @@ unsafe fn band_step_sums<const T: usize>(
     sums
 }
 
+/// Prefetches what [`q4_band`]'s first two bands read: its own prefetch runs two bands ahead, so a task's
+/// first bands (every matrix's, and each thread's share of a split one) started from a cold memory system,
+/// one 64-byte step of 16 rows at a time. One token's matmul split across two threads (768×2048, 4-bit,
+/// 96 matrices from DRAM; a scratch harness alternating with and without 38 times in one process, five
+/// runs) read 3.8–4.9% faster with it.
+#[target_feature(enable = "avx512f")]
+unsafe fn band_start_prefetch(a: &BandArgs<'_>, param_lines: usize) {
+    let row_bytes = a.cols / 2;
+    let bands = (a.rows / 16).min(2);
+    // The scales and biases are read first (`band_params`), so they go to L1; the codes to L2, as the
+    // kernel's own prefetch sends them.
+    for line in 0..bands * param_lines {
+        _mm_prefetch::<_MM_HINT_T0>(a.scales.as_ptr().wrapping_add(64 * line) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(a.biases.as_ptr().wrapping_add(64 * line) as *const i8);
+    }
+    for row in 0..16 * bands {
+        let at = a.packed.as_ptr().wrapping_add(row * row_bytes);
+        for line in 0..row_bytes.div_ceil(64) {
+            _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(64 * line) as *const i8);
+        }
+    }
+}
+
 // Index loops over fixed arrays, no closures (see `band_step_sums`).
 #[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -2120,6 +2143,7 @@ unsafe fn q4_band<const TY: u8, const T: usize>(a: &BandArgs<'_>, out: &mut [f32
     let steps = a.cols.div_ceil(128);
     // A band's scales (and as many bytes of biases) span this many cache lines, one more if unaligned.
     let param_lines = (16 * groups * a.ty.size()).div_ceil(64) + 1;
+    band_start_prefetch(a, param_lines);
     for band in 0..a.rows / 16 {
         let r0 = band * 16;
         band_params::<TY>(a, r0, &mut params);
