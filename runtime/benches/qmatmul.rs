@@ -135,7 +135,8 @@ impl Run {
         let (rows, cols, count) = (self.rows, self.cols, self.count);
         let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.01).sin()).collect();
         let mut y = vec![0f32; rows];
-        let passes = (if self.quick { 128 } else { 960 }) / count.max(1);
+        // At least one pass: more matrices than the pass budget would otherwise measure nothing.
+        let passes = ((if self.quick { 128 } else { 960 }) / count.max(1)).max(1);
         let t = Instant::now();
         for _ in 0..passes {
             for m in mats {

@@ -471,28 +471,32 @@ impl Backend for CpuBackend {
     }
 
     fn experts(&self, jobs: Vec<ExpertJob<Self>>) -> Result<Vec<CpuTensor>> {
-        // Enough experts at hand: one per thread, each matmul on its own thread (one fork-join per batch
-        // instead of per matmul); otherwise split each matmul's rows across threads.
         let threads = rayon::current_num_threads();
-        let per_expert = jobs.len() >= threads && threads > 1;
         let isa = Isa::detect();
-        let run = |j: &ExpertJob<Self>| {
+        let run = |j: &ExpertJob<Self>, split: bool| {
             let [gate, up, down] = &j.mats;
             let m = j.x.rows();
-            let [mut g, u]: [Vec<f32>; 2] = Linear::forward_many(&[gate, up], isa, &j.x.data, m, !per_expert)
+            let [mut g, u]: [Vec<f32>; 2] = Linear::forward_many(&[gate, up], isa, &j.x.data, m, split)
                 .try_into()
                 .expect("two matrices, two outputs");
             ops::swiglu(&mut g, &u);
             CpuTensor {
-                data: down.forward_with(isa, &g, m, !per_expert),
+                data: down.forward_with(isa, &g, m, split),
                 cols: down.rows,
             }
         };
-        Ok(if per_expert {
-            crate::threads::parallel_map(&jobs, run)
+        // Whole experts, one per thread at a time (one fork-join for them all), for as many as keep every
+        // thread busy to the end; the rest (fewer than the threads) with each matmul's rows split across the
+        // threads, so no thread waits through another's lone expert. A row's result does not depend on the
+        // split, so neither do the bits.
+        let whole = if threads > 1 {
+            jobs.len() - jobs.len() % threads
         } else {
-            jobs.iter().map(run).collect()
-        })
+            0
+        };
+        let mut out = crate::threads::parallel_map(&jobs[..whole], |j| run(j, false));
+        out.extend(jobs[whole..].iter().map(|j| run(j, threads > 1)));
+        Ok(out)
     }
 
     fn combine(&self, hidden: usize, outputs: &[CpuTensor], picks: &[Vec<Pick>]) -> Result<CpuTensor> {
@@ -518,6 +522,7 @@ impl Backend for CpuBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use expert_store::OwnedBytes;
 
     #[test]
     fn appended_rows_split_per_head_in_order() {
@@ -545,5 +550,71 @@ mod tests {
         assert_eq!(&v[39 * hd..40 * hd], &row(44, 1)[hd..]);
         kv.truncate(10);
         assert!(kv.heads.iter().all(|h| h.len() == 10));
+    }
+
+    /// A 4-bit matrix with small bf16 scales, bytes from `seed`.
+    fn quant(rows: usize, cols: usize, seed: usize) -> Linear {
+        let groups = rows * cols / 32;
+        let params = |high: u8| -> Vec<u8> {
+            (0..2 * groups)
+                .map(|i| if i % 2 == 1 { high } else { (i * 37 + seed) as u8 })
+                .collect()
+        };
+        Linear {
+            format: crate::linear::WeightFormat::Affine {
+                bits: 4,
+                group: 32,
+                scale_type: crate::cpu::FloatType::BF16,
+            },
+            rows,
+            cols,
+            parts: vec![
+                OwnedBytes::from_vec(
+                    (0..rows * cols / 2)
+                        .map(|i| ((i * 131 + seed * 7) >> 2) as u8)
+                        .collect(),
+                ),
+                OwnedBytes::from_vec(params(0x3c)),
+                OwnedBytes::from_vec(params(0xbc)),
+            ],
+            bias: None,
+        }
+    }
+
+    /// A batch of any size gives each expert's own output, in order, with the bits it gives alone: whole
+    /// experts per thread and the odd one out split across threads compute the same rows.
+    #[test]
+    fn an_expert_batch_of_any_size_gives_each_experts_own_output() {
+        let (hidden, inter) = (128, 64);
+        let be = CpuBackend::default();
+        let jobs = |n: usize| -> Vec<ExpertJob<CpuBackend>> {
+            (0..n)
+                .map(|e| ExpertJob {
+                    mats: [
+                        quant(inter, hidden, 3 * e),
+                        quant(inter, hidden, 3 * e + 1),
+                        quant(hidden, inter, 3 * e + 2),
+                    ],
+                    x: CpuTensor {
+                        data: (0..2 * hidden).map(|i| ((i + e) as f32 * 0.37).sin()).collect(),
+                        cols: hidden,
+                    },
+                })
+                .collect()
+        };
+        let alone: Vec<Vec<f32>> = (jobs(5).into_iter())
+            .map(|j| be.experts(vec![j]).unwrap().remove(0).data)
+            .collect();
+        assert!(
+            alone.windows(2).all(|w| w[0] != w[1]),
+            "distinct experts give distinct outputs"
+        );
+        for n in 1..=5 {
+            let out = be.experts(jobs(n)).unwrap();
+            assert_eq!(out.len(), n);
+            for (e, y) in out.iter().enumerate() {
+                assert_eq!(y.data, alone[e], "batch of {n}, expert {e}");
+            }
+        }
     }
 }
