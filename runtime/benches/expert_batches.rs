@@ -7,40 +7,9 @@
 
 use std::time::{Duration, Instant};
 
-use expert_store::OwnedBytes;
 use sluice_runtime::backend::cpu::{CpuBackend, CpuTensor};
 use sluice_runtime::backend::{Backend, ExpertJob};
-use sluice_runtime::cpu::FloatType;
-use sluice_runtime::linear::{Linear, WeightFormat};
-
-/// A 4-bit g64 matrix with bf16 scales and biases (arbitrary bytes: only the time is measured).
-fn matrix(rows: usize, cols: usize, seed: usize) -> Linear {
-    let groups = rows * cols / 64;
-    let bytes = |mul: usize, high: u8| -> Vec<u8> {
-        (0..2 * groups)
-            .map(|i| if i % 2 == 1 { high } else { (i * mul + seed) as u8 })
-            .collect()
-    };
-    Linear {
-        format: WeightFormat::Affine {
-            bits: 4,
-            group: 64,
-            scale_type: FloatType::BF16,
-        },
-        rows,
-        cols,
-        parts: vec![
-            OwnedBytes::from_vec(
-                (0..rows * cols / 2)
-                    .map(|i| ((i * 131 + seed * 7) >> 3) as u8)
-                    .collect(),
-            ),
-            OwnedBytes::from_vec(bytes(13, 0x3c)),
-            OwnedBytes::from_vec(bytes(7, 0xbc)),
-        ],
-        bias: None,
-    }
-}
+use sluice_runtime::linear::Linear;
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
@@ -51,9 +20,9 @@ fn main() {
     let records: Vec<[Linear; 3]> = (0..count)
         .map(|e| {
             [
-                matrix(inter, hidden, 3 * e),
-                matrix(inter, hidden, 3 * e + 1),
-                matrix(hidden, inter, 3 * e + 2),
+                Linear::arbitrary_q4(inter, hidden, 64, 3 * e),
+                Linear::arbitrary_q4(inter, hidden, 64, 3 * e + 1),
+                Linear::arbitrary_q4(hidden, inter, 64, 3 * e + 2),
             ]
         })
         .collect();

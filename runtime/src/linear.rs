@@ -110,6 +110,37 @@ pub struct Linear {
 }
 
 impl Linear {
+    /// A 4-bit matrix of arbitrary bytes from `seed` with bf16 scales and biases of magnitude ~1, for tests
+    /// and benchmarks that need a matrix's shape and cost, not trained values.
+    #[doc(hidden)]
+    pub fn arbitrary_q4(rows: usize, cols: usize, group: usize, seed: usize) -> Linear {
+        let groups = rows * cols / group;
+        // Low byte arbitrary, high byte 0x3c / 0xbc: bf16 values in ±[1, 2).
+        let params = |mul: usize, high: u8| -> Vec<u8> {
+            (0..2 * groups)
+                .map(|i| if i % 2 == 1 { high } else { (i * mul + seed) as u8 })
+                .collect()
+        };
+        let codes = (0..rows * cols / 2)
+            .map(|i| ((i * 131 + seed * 7) >> 3) as u8)
+            .collect();
+        Linear {
+            format: WeightFormat::Affine {
+                bits: 4,
+                group,
+                scale_type: FloatType::BF16,
+            },
+            rows,
+            cols,
+            parts: vec![
+                OwnedBytes::from_vec(codes),
+                OwnedBytes::from_vec(params(13, 0x3c)),
+                OwnedBytes::from_vec(params(7, 0xbc)),
+            ],
+            bias: None,
+        }
+    }
+
     /// This matrix in the tiled layout, placed in `arena`, when it is 4-bit affine with whole 32-column blocks
     /// per group.
     pub fn tiled(&self, arena: &ResidentArena) -> Option<Linear> {

@@ -522,7 +522,6 @@ impl Backend for CpuBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use expert_store::OwnedBytes;
 
     #[test]
     fn appended_rows_split_per_head_in_order() {
@@ -552,35 +551,6 @@ mod tests {
         assert!(kv.heads.iter().all(|h| h.len() == 10));
     }
 
-    /// A 4-bit matrix with small bf16 scales, bytes from `seed`.
-    fn quant(rows: usize, cols: usize, seed: usize) -> Linear {
-        let groups = rows * cols / 32;
-        let params = |high: u8| -> Vec<u8> {
-            (0..2 * groups)
-                .map(|i| if i % 2 == 1 { high } else { (i * 37 + seed) as u8 })
-                .collect()
-        };
-        Linear {
-            format: crate::linear::WeightFormat::Affine {
-                bits: 4,
-                group: 32,
-                scale_type: crate::cpu::FloatType::BF16,
-            },
-            rows,
-            cols,
-            parts: vec![
-                OwnedBytes::from_vec(
-                    (0..rows * cols / 2)
-                        .map(|i| ((i * 131 + seed * 7) >> 2) as u8)
-                        .collect(),
-                ),
-                OwnedBytes::from_vec(params(0x3c)),
-                OwnedBytes::from_vec(params(0xbc)),
-            ],
-            bias: None,
-        }
-    }
-
     /// A batch of any size gives each expert's own output, in order, with the bits it gives alone: whole
     /// experts per thread and the odd one out split across threads compute the same rows.
     #[test]
@@ -591,9 +561,9 @@ mod tests {
             (0..n)
                 .map(|e| ExpertJob {
                     mats: [
-                        quant(inter, hidden, 3 * e),
-                        quant(inter, hidden, 3 * e + 1),
-                        quant(hidden, inter, 3 * e + 2),
+                        Linear::arbitrary_q4(inter, hidden, 32, 3 * e),
+                        Linear::arbitrary_q4(inter, hidden, 32, 3 * e + 1),
+                        Linear::arbitrary_q4(hidden, inter, 32, 3 * e + 2),
                     ],
                     x: CpuTensor {
                         data: (0..2 * hidden).map(|i| ((i + e) as f32 * 0.37).sin()).collect(),
