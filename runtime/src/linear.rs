@@ -110,12 +110,13 @@ pub struct Linear {
 }
 
 impl Linear {
-    /// A 4-bit matrix of arbitrary bytes from `seed` with bf16 scales and biases of magnitude ~1, for tests
-    /// and benchmarks that need a matrix's shape and cost, not trained values.
+    /// A 4-bit matrix of arbitrary bytes from `seed` with small bf16 scales and biases, for tests and
+    /// benchmarks that need a matrix's shape and cost, not trained values.
     #[doc(hidden)]
     pub fn arbitrary_q4(rows: usize, cols: usize, group: usize, seed: usize) -> Linear {
         let groups = rows * cols / group;
-        // Low byte arbitrary, high byte 0x3c / 0xbc: bf16 values in ±[1, 2).
+        // Low byte arbitrary, high byte 0x3c / 0xbc: bf16 values of magnitude 0.008 to 0.031 (scales positive,
+        // biases negative).
         let params = |mul: usize, high: u8| -> Vec<u8> {
             (0..2 * groups)
                 .map(|i| if i % 2 == 1 { high } else { (i * mul + seed) as u8 })
