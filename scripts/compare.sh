@@ -4,8 +4,10 @@
 # `large` also measures warm decode (llama.cpp: a second run right after the cold one, its page cache holding
 # what fits; sluice: bench's warm run after its cold one), and prints sluice's bounds (bench's optimal-cache
 # bound and in-RAM compute of the same shape), and runs sluice a second time on the same weights converted to a
-# packed store (`STORE=0` skips it; `STORE_LAYOUT=mlx|tiled` picks its `--layout`, default `auto`); `medium` prints the weight bytes each decode streams per second
-# for both, against the DRAM probe (bench's `weight_bytes_per_token`, the same for both: identical weights).
+# packed store (`STORE=0` skips it; `STORE_LAYOUT=mlx|tiled` picks its `--layout`, default `auto`); `medium` runs
+# both engines ROUNDS times (default 3) in alternating order and gives medians and each round's ratio, and prints
+# the weight bytes each decode streams per second for both, against the DRAM probe (bench's
+# `weight_bytes_per_token`, the same for both: identical weights).
 #   compare.sh medium   : 7.7 B Qwen3-MoE (H2048, 24 layers, 64 experts top-8), 4.35 GB: fits in RAM
 #   compare.sh large    : 51.7 B (48 layers, 224 experts top-8), 29 GB: bigger than a 24 GB machine's RAM
 # Needs a release build of sluice (SLUICE=path, default target/release/sluice), root (drops the page cache) and
@@ -50,11 +52,25 @@ quiet() { local a b; for _ in $(seq 60); do a=($(head -1 /proc/stat)); sleep 2; 
   [ $(( (b[4] - a[4]) * 100 / t )) -ge 90 ] && return; done; echo "warning: machine not idle" >&2; }
 want_gguf
 if [ "$PRESET" = medium ]; then
-  quiet; "$LLAMA_BIN/llama-bench" -m "$GGUF" -t "$(nproc)" -p 512 -n 64 -r 3 -o json > "$OUT/llama.json"
-  quiet; "$LLAMA_BIN/llama-bench" -m "$GGUF" -t "$(nproc)" -p 0 -n 32 -d 512 -r 2 -o json > "$OUT/llama-d512.json"
-  want_mlx
-  quiet; "$SLUICE" bench -m "$MLX" -p 16 -n 64 --runs warm --json ${SLUICE_FLAGS:-} > "$OUT/sluice.json"
-  quiet; "$SLUICE" bench -m "$MLX" -p 512 -n 32 --runs warm --json ${SLUICE_FLAGS:-} > "$OUT/sluice-d512.json"
+  # ROUNDS rounds (default 3), each one llama.cpp run and one sluice run of both workloads, in alternating
+  # order (llama.cpp first in odd rounds): this host switches between a fast and a slow state every few tens
+  # of seconds, which moved the ratio of back-to-back runs by up to 40%. The table gives each engine's median
+  # and the median of the rounds' ratios. With one format at a time on disk, all llama.cpp rounds run first.
+  ROUNDS=${ROUNDS:-3}
+  llama_round() { quiet; "$LLAMA_BIN/llama-bench" -m "$GGUF" -t "$(nproc)" -p 512 -n 64 -r 1 -o json > "$OUT/llama-r$1.json"
+    quiet; "$LLAMA_BIN/llama-bench" -m "$GGUF" -t "$(nproc)" -p 0 -n 32 -d 512 -r 1 -o json > "$OUT/llama-d512-r$1.json"; }
+  sluice_round() { quiet; "$SLUICE" bench -m "$MLX" -p 16 -n 64 --runs warm --json ${SLUICE_FLAGS:-} > "$OUT/sluice-r$1.json"
+    quiet; "$SLUICE" bench -m "$MLX" -p 512 -n 32 --runs warm --json ${SLUICE_FLAGS:-} > "$OUT/sluice-d512-r$1.json"; }
+  if [ "$ONE_AT_A_TIME" = 1 ]; then
+    for r in $(seq "$ROUNDS"); do llama_round "$r"; done
+    want_mlx
+    for r in $(seq "$ROUNDS"); do sluice_round "$r"; done
+  else
+    for r in $(seq "$ROUNDS"); do
+      if [ $((r % 2)) = 1 ]; then llama_round "$r"; sluice_round "$r"; else sluice_round "$r"; llama_round "$r"; fi
+    done
+  fi
+  cp "$OUT/sluice-r1.json" "$OUT/sluice.json"
 else
   # llama.cpp cannot repack (copy) 29 GB into 24 GB of RAM: weights stay in the mmap
   quiet; drop; "$LLAMA_BIN/llama-bench" -m "$GGUF" -t "$(nproc)" -p 0 -n 32 -r 1 --repack 0 -o json > "$OUT/llama.json"
@@ -76,19 +92,32 @@ fi
 "$PY" - "$OUT" "$PRESET" <<'PY'
 import json, sys, os, re
 out, preset = sys.argv[1], sys.argv[2]
-ll = json.load(open(f"{out}/llama.json")); sl = json.load(open(f"{out}/sluice.json"))
-tg = max(r["avg_ts"] for r in ll if r["n_gen"] > 0)
-pp = [r["avg_ts"] for r in ll if r["n_prompt"] > 0]
+sl = json.load(open(f"{out}/sluice.json"))
 runs = {r["run"]: r for r in sl["runs"]}
 rows = []
+# Per round (medium): each row's llama.cpp and sluice figures, in round order.
+per_round = {}
 if preset == "medium":
-    run = runs["warm"]
-    rows.append(("decode tok/s (short prompt)", tg, run["decode_tok_s"]))
-    deep = json.load(open(f"{out}/sluice-d512.json"))["runs"][-1]
-    rows.append(("decode tok/s, 512 tokens deep", json.load(open(f"{out}/llama-d512.json"))[0]["avg_ts"],
-                 deep["decode_tok_s"]))
-    rows.append(("prefill tok/s, 512-token prompt", max(pp), deep["prefill_tok_s"]))
+    import statistics
+    rounds = sorted(int(m.group(1)) for f in os.listdir(out) if (m := re.fullmatch(r"sluice-r(\d+)\.json", f)))
+    for r in rounds:
+        ll = json.load(open(f"{out}/llama-r{r}.json"))
+        short = json.load(open(f"{out}/sluice-r{r}.json"))["runs"][-1]
+        deep = json.load(open(f"{out}/sluice-d512-r{r}.json"))["runs"][-1]
+        for name, a, b in [
+            ("decode tok/s (short prompt)", max(x["avg_ts"] for x in ll if x["n_gen"] > 0), short["decode_tok_s"]),
+            ("decode tok/s, 512 tokens deep", json.load(open(f"{out}/llama-d512-r{r}.json"))[0]["avg_ts"],
+             deep["decode_tok_s"]),
+            ("prefill tok/s, 512-token prompt", max(x["avg_ts"] for x in ll if x["n_prompt"] > 0),
+             deep["prefill_tok_s"]),
+        ]:
+            per_round.setdefault(name, []).append((a, b))
+    for name, pairs in per_round.items():
+        rows.append((name, statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs),
+                     statistics.median(b / a for a, b in pairs)))
 else:
+    ll = json.load(open(f"{out}/llama.json"))
+    tg = max(r["avg_ts"] for r in ll if r["n_gen"] > 0)
     warm = json.load(open(f"{out}/llama-warm.json"))[0]["avg_ts"]
     rows.append(("decode tok/s, cold", tg, runs["cold"]["decode_tok_s"]))
     rows.append(("decode tok/s, warm", warm, runs["warm"]["decode_tok_s"]))
@@ -97,9 +126,16 @@ else:
         st_runs = {r["run"]: r for r in st["runs"]}
         rows.append(("decode tok/s, cold, packed store", tg, st_runs["cold"]["decode_tok_s"]))
         rows.append(("decode tok/s, warm, packed store", warm, st_runs["warm"]["decode_tok_s"]))
-lines = [f"# {preset}: sluice beside llama.cpp ({os.path.basename(out)})", "",
-         "| | llama.cpp | sluice | sluice ÷ llama.cpp |", "|---|---|---|---|"]
-lines += [f"| {n} | {a:.2f} | {b:.2f} | {b / a:.2f} |" for n, a, b in rows]
+rows = [row if len(row) == 4 else (*row, row[2] / row[1]) for row in rows]
+lines = [f"# {preset}: sluice beside llama.cpp ({os.path.basename(out)})", ""]
+if per_round:
+    lines += [f"{len(rounds)} rounds, each engine once per round in alternating order: medians, and the median of the "
+              "rounds' ratios", "", "| | llama.cpp | sluice | sluice ÷ llama.cpp | per round |", "|---|---|---|---|---|"]
+    lines += [f"| {n} | {a:.2f} | {b:.2f} | {q:.2f} | "
+              + ", ".join(f"{y:.2f} vs {x:.2f}: {y / x:.2f}" for x, y in per_round[n]) + " |" for n, a, b, q in rows]
+else:
+    lines += ["| | llama.cpp | sluice | sluice ÷ llama.cpp |", "|---|---|---|---|"]
+    lines += [f"| {n} | {a:.2f} | {b:.2f} | {q:.2f} |" for n, a, b, q in rows]
 lines += ["", f"sluice mode {sl['mode']}, disk probe {sl.get('disk_probe_gb_s') or 0:.2f} GB/s "
           f"(best at depth {sl.get('disk_probe_depth')} in {sl.get('disk_probe_pieces')} piece(s), re-read {sl.get('disk_reread_gb_s') or 0:.2f}), "
           f"DRAM probe {sl.get('dram_probe_gb_s') or 0:.1f} GB/s, fresh memory {sl.get('fresh_memory_gb_s') or 0:.2f} GB/s"]
@@ -107,7 +143,12 @@ w, dram = sl.get("weight_bytes_per_token"), sl.get("dram_probe_gb_s")
 if w and dram and preset == "medium":
     lines.append(f"DRAM probe patterns: one stream per thread {sl.get('dram_one_stream_gb_s') or 0:.1f}, "
                  f"four in lockstep {sl.get('dram_four_streams_gb_s') or 0:.1f} GB/s (the probe is the faster)")
-    for n, a, b in rows:
+    if per_round:
+        probes = [json.load(open(f"{out}/sluice-{k}r{r}.json")).get("dram_probe_gb_s") or 0
+                  for r in rounds for k in ("", "d512-")]
+        lines.append("DRAM probe of each sluice run in round order: " + ", ".join(f"{p:.1f}" for p in probes)
+                     + f" GB/s; the weight rates below are the medians' against the first ({dram:.1f})")
+    for n, a, b, _ in rows:
         if n.startswith("decode"):
             lines.append(f"{n}: weights streamed ({w / 1e6:.1f} MB/token) llama.cpp {a * w / 1e9:.1f} GB/s = "
                          f"{a * w / 1e9 / dram:.0%} of the DRAM probe, sluice {b * w / 1e9:.1f} GB/s = {b * w / 1e9 / dram:.0%}")
