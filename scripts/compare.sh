@@ -70,7 +70,6 @@ if [ "$PRESET" = medium ]; then
       if [ $((r % 2)) = 1 ]; then llama_round "$r"; sluice_round "$r"; else sluice_round "$r"; llama_round "$r"; fi
     done
   fi
-  cp "$OUT/sluice-r1.json" "$OUT/sluice.json"
 else
   # llama.cpp cannot repack (copy) 29 GB into 24 GB of RAM: weights stay in the mmap
   quiet; drop; "$LLAMA_BIN/llama-bench" -m "$GGUF" -t "$(nproc)" -p 0 -n 32 -r 1 --repack 0 -o json > "$OUT/llama.json"
@@ -92,18 +91,16 @@ fi
 "$PY" - "$OUT" "$PRESET" <<'PY'
 import json, sys, os, re
 out, preset = sys.argv[1], sys.argv[2]
-sl = json.load(open(f"{out}/sluice.json"))
-runs = {r["run"]: r for r in sl["runs"]}
-rows = []
-# Per round (medium): each row's llama.cpp and sluice figures, in round order.
+import statistics
+# Each row's (llama.cpp, sluice) figures, one pair per round (medium) or a single pair (large).
 per_round = {}
 if preset == "medium":
-    import statistics
     rounds = sorted(int(m.group(1)) for f in os.listdir(out) if (m := re.fullmatch(r"sluice-r(\d+)\.json", f)))
-    for r in rounds:
+    sluice_runs = [json.load(open(f"{out}/sluice-{k}r{r}.json")) for r in rounds for k in ("", "d512-")]
+    sl = sluice_runs[0]
+    for i, r in enumerate(rounds):
         ll = json.load(open(f"{out}/llama-r{r}.json"))
-        short = json.load(open(f"{out}/sluice-r{r}.json"))["runs"][-1]
-        deep = json.load(open(f"{out}/sluice-d512-r{r}.json"))["runs"][-1]
+        short, deep = sluice_runs[2 * i]["runs"][-1], sluice_runs[2 * i + 1]["runs"][-1]
         for name, a, b in [
             ("decode tok/s (short prompt)", max(x["avg_ts"] for x in ll if x["n_gen"] > 0), short["decode_tok_s"]),
             ("decode tok/s, 512 tokens deep", json.load(open(f"{out}/llama-d512-r{r}.json"))[0]["avg_ts"],
@@ -112,23 +109,24 @@ if preset == "medium":
              deep["prefill_tok_s"]),
         ]:
             per_round.setdefault(name, []).append((a, b))
-    for name, pairs in per_round.items():
-        rows.append((name, statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs),
-                     statistics.median(b / a for a, b in pairs)))
 else:
+    sl = json.load(open(f"{out}/sluice.json"))
+    runs = {r["run"]: r for r in sl["runs"]}
     ll = json.load(open(f"{out}/llama.json"))
     tg = max(r["avg_ts"] for r in ll if r["n_gen"] > 0)
     warm = json.load(open(f"{out}/llama-warm.json"))[0]["avg_ts"]
-    rows.append(("decode tok/s, cold", tg, runs["cold"]["decode_tok_s"]))
-    rows.append(("decode tok/s, warm", warm, runs["warm"]["decode_tok_s"]))
+    per_round["decode tok/s, cold"] = [(tg, runs["cold"]["decode_tok_s"])]
+    per_round["decode tok/s, warm"] = [(warm, runs["warm"]["decode_tok_s"])]
     if os.path.exists(f"{out}/sluice-store.json"):
         st = json.load(open(f"{out}/sluice-store.json"))
         st_runs = {r["run"]: r for r in st["runs"]}
-        rows.append(("decode tok/s, cold, packed store", tg, st_runs["cold"]["decode_tok_s"]))
-        rows.append(("decode tok/s, warm, packed store", warm, st_runs["warm"]["decode_tok_s"]))
-rows = [row if len(row) == 4 else (*row, row[2] / row[1]) for row in rows]
+        per_round["decode tok/s, cold, packed store"] = [(tg, st_runs["cold"]["decode_tok_s"])]
+        per_round["decode tok/s, warm, packed store"] = [(warm, st_runs["warm"]["decode_tok_s"])]
+# Per row: each engine's median and the median of the rounds' ratios (with one pair: the pair and its ratio).
+rows = [(n, statistics.median(a for a, _ in p), statistics.median(b for _, b in p), statistics.median(b / a for a, b in p))
+        for n, p in per_round.items()]
 lines = [f"# {preset}: sluice beside llama.cpp ({os.path.basename(out)})", ""]
-if per_round:
+if preset == "medium":
     lines += [f"{len(rounds)} rounds, each engine once per round in alternating order: medians, and the median of the "
               "rounds' ratios", "", "| | llama.cpp | sluice | sluice ÷ llama.cpp | per round |", "|---|---|---|---|---|"]
     lines += [f"| {n} | {a:.2f} | {b:.2f} | {q:.2f} | "
@@ -143,9 +141,8 @@ w, dram = sl.get("weight_bytes_per_token"), sl.get("dram_probe_gb_s")
 if w and dram and preset == "medium":
     lines.append(f"DRAM probe patterns: one stream per thread {sl.get('dram_one_stream_gb_s') or 0:.1f}, "
                  f"four in lockstep {sl.get('dram_four_streams_gb_s') or 0:.1f} GB/s (the probe is the faster)")
-    if per_round:
-        probes = [json.load(open(f"{out}/sluice-{k}r{r}.json")).get("dram_probe_gb_s") or 0
-                  for r in rounds for k in ("", "d512-")]
+    if preset == "medium":
+        probes = [run.get("dram_probe_gb_s") or 0 for run in sluice_runs]
         lines.append("DRAM probe of each sluice run in round order: " + ", ".join(f"{p:.1f}" for p in probes)
                      + f" GB/s; the weight rates below are the medians' against the first ({dram:.1f})")
     for n, a, b, _ in rows:
