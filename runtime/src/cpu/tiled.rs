@@ -103,9 +103,13 @@ pub fn tile_into(q: &QuantMatrix<'_>, panel: usize, out: &mut [u8]) -> bool {
         let pass = first..tiles.min(first + PASS_TILES);
         // Each tile's rows of codes, scales and biases; padding rows (and tiles past the last) are empty.
         let rows = |part, i: usize, len| tile_rows(part, (first + i) * TILE_ROWS, q.rows, len);
-        let codes: [_; PASS_TILES] = std::array::from_fn(|i| rows(q.packed, i, row_bytes));
-        let scales: [_; PASS_TILES] = std::array::from_fn(|i| rows(q.scales, i, groups * size));
-        let biases: [_; PASS_TILES] = std::array::from_fn(|i| rows(q.biases, i, groups * size));
+        let parts: [_; PASS_TILES] = std::array::from_fn(|i| {
+            [
+                rows(q.packed, i, row_bytes),
+                rows(q.scales, i, groups * size),
+                rows(q.biases, i, groups * size),
+            ]
+        });
         // The next four tiles' rows, fetched a group's share at a time while these are tiled: a record being
         // tiled has just landed from disk, and four tiles read their 64 rows side by side.
         let next = |part, len| rows_span(part, (first + PASS_TILES) * TILE_ROWS, q.rows, len);
@@ -113,17 +117,27 @@ pub fn tile_into(q: &QuantMatrix<'_>, panel: usize, out: &mut [u8]) -> bool {
         prefetch(next(q.scales, groups * size));
         prefetch(next(q.biases, groups * size));
         let share = next_codes.len().div_ceil(groups.max(1)).next_multiple_of(64).max(64);
+        // Tiles whose rows all exist (all but a short last one), in one call per pass where the CPU has one.
+        #[cfg(target_arch = "x86_64")]
+        {
+            let n = pass.len();
+            let places: [_; PASS_TILES] =
+                std::array::from_fn(|i| tile_group_at(tiles, groups, gb, panel, pass.start + i.min(n - 1), 0));
+            if super::x86::tile_pass_full(&parts[..n], size, q.group, &places[..n], out, (next_codes, share)) {
+                continue;
+            }
+        }
         for g in 0..groups {
             prefetch(next_codes.chunks(share).nth(g).unwrap_or_default());
-            for (i, t) in pass.clone().enumerate() {
+            for (t, [codes, scales, biases]) in pass.clone().zip(&parts) {
                 let at = tile_group_at(tiles, groups, gb, panel, t, g).0;
                 let (params, dst) = out[at..at + gb].split_at_mut(2 * TILE_ROWS * size);
                 let (s, b) = params.split_at_mut(TILE_ROWS * size);
                 match size {
-                    2 => (copy_params::<2>(&scales[i], g, s), copy_params::<2>(&biases[i], g, b)),
-                    _ => (copy_params::<4>(&scales[i], g, s), copy_params::<4>(&biases[i], g, b)),
+                    2 => (copy_params::<2>(scales, g, s), copy_params::<2>(biases, g, b)),
+                    _ => (copy_params::<4>(scales, g, s), copy_params::<4>(biases, g, b)),
                 };
-                tile_blocks(&codes[i], g * q.group / 2, dst);
+                tile_blocks(codes, g * q.group / 2, dst);
             }
         }
     }
@@ -331,6 +345,11 @@ mod tests {
             (5, 128, 128, FloatType::F32),
             // Two panels, the second of one tile.
             (80, 64, 32, FloatType::BF16),
+            // Whole tiles (the one-call-per-pass path where the CPU has it): groups of one block, of four,
+            // four-byte scales, and a matrix of passes and a short last panel.
+            (64, 96, 32, FloatType::F16),
+            (64, 256, 128, FloatType::F32),
+            (112, 192, 64, FloatType::BF16),
         ] {
             let codes: Vec<u32> = (0..rows * cols).map(|i| ((i * 7 + i / 5) % 16) as u32).collect();
             let s: Vec<f32> = (0..rows * cols / group).map(|i| 0.01 * i as f32 - 0.3).collect();
