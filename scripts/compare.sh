@@ -141,10 +141,9 @@ w, dram = sl.get("weight_bytes_per_token"), sl.get("dram_probe_gb_s")
 if w and dram and preset == "medium":
     lines.append(f"DRAM probe patterns: one stream per thread {sl.get('dram_one_stream_gb_s') or 0:.1f}, "
                  f"four in lockstep {sl.get('dram_four_streams_gb_s') or 0:.1f} GB/s (the probe is the faster)")
-    if preset == "medium":
-        probes = [run.get("dram_probe_gb_s") or 0 for run in sluice_runs]
-        lines.append("DRAM probe of each sluice run in round order: " + ", ".join(f"{p:.1f}" for p in probes)
-                     + f" GB/s; the weight rates below are the medians' against the first ({dram:.1f})")
+    probes = [run.get("dram_probe_gb_s") or 0 for run in sluice_runs]
+    lines.append("DRAM probe of each sluice run in round order: " + ", ".join(f"{p:.1f}" for p in probes)
+                 + f" GB/s; the weight rates below are the medians' against the first ({dram:.1f})")
     for n, a, b, _ in rows:
         if n.startswith("decode"):
             lines.append(f"{n}: weights streamed ({w / 1e6:.1f} MB/token) llama.cpp {a * w / 1e9:.1f} GB/s = "

@@ -123,7 +123,14 @@ pub fn tile_into(q: &QuantMatrix<'_>, panel: usize, out: &mut [u8]) -> bool {
             let n = pass.len();
             let places: [_; PASS_TILES] =
                 std::array::from_fn(|i| tile_group_at(tiles, groups, gb, panel, pass.start + i.min(n - 1), 0));
-            if super::x86::tile_pass_full(&parts[..n], size, q.group, &places[..n], out, (next_codes, share)) {
+            if super::x86::tile_pass_full(
+                &parts[..n],
+                q.scale_type,
+                q.group,
+                &places[..n],
+                out,
+                (next_codes, share),
+            ) {
                 continue;
             }
         }

@@ -1693,35 +1693,30 @@ unsafe fn tile_pair(rows: &[*const u8; 16], at: usize, out: *mut u8) {
 /// One pass of [`super::tiled::tile_into`] over tiles whose 16 rows all exist: for every group `g` (outer)
 /// and tile `i` (inner, so the writes run through a panel in its stored order), the tile's scales, biases
 /// and code blocks of group `g` at `places[i].0 + g · places[i].1` in `out`. `rows[i]` holds tile `i`'s rows of
-/// codes, scales and biases; `size` is the scales' float size (2 or 4). While it works, the next pass's
-/// codes (`next`) are fetched `share` bytes per group. Returns false, having written nothing, without AVX2
+/// codes, scales and biases (floats of `scale_type`). While it works, the next pass's codes (`next`) are
+/// fetched `share` bytes per group. Returns false, having written nothing, without AVX2
 /// or when a row is shorter than the matrix's or a group lies outside `out`; the caller then takes the
 /// general path. In one call per pass rather than one per tile and group, the per-call checks and the
 /// scalar parameter copies no longer cost as much as the transform (they did: ~55% of a cache-hot record's
 /// tiling in `perf`).
 pub(super) fn tile_pass_full(
     rows: &[[[&[u8]; 16]; 3]],
-    size: usize,
+    scale_type: super::FloatType,
     group: usize,
     places: &[(usize, usize)],
     out: &mut [u8],
     next: (&[u8], usize),
 ) -> bool {
+    let (size, gb) = (scale_type.size(), super::tiled::group_bytes(group, scale_type));
     let cols_bytes = rows.first().map_or(0, |r| r[0][0].len());
     let groups = 2 * cols_bytes / group.max(1);
-    let gb = 32 * size + 8 * group;
     let fits = rows.iter().all(|[c, s, b]| {
         c.iter().all(|r| r.len() == cols_bytes) && s.iter().chain(b).all(|r| r.len() == groups * size)
     });
     let inside = places
         .iter()
         .all(|&(at, stride)| groups == 0 || at + (groups - 1) * stride + gb <= out.len());
-    if !is_x86_feature_detected!("avx2")
-        || !fits
-        || !inside
-        || !matches!(size, 2 | 4)
-        || !group.is_multiple_of(32)
-        || rows.len() != places.len()
+    if !is_x86_feature_detected!("avx2") || !fits || !inside || !group.is_multiple_of(32) || rows.len() != places.len()
     {
         return false;
     }
