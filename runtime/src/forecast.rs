@@ -173,7 +173,7 @@ pub fn size_from_config(config: &ModelConfig, index_total: Option<u64>, kv_bytes
     }
     let expert_bytes = all_experts;
     let record = all_experts / (moe_layers * num_experts).max(1) as u64;
-    let mut footprint = crate::models::footprint(d, kv_bytes);
+    let mut footprint = crate::models::footprint(&arch, kv_bytes);
     footprint.resident_weights = resident;
     footprint.expert_bytes = expert_bytes;
     Ok(ModelSize {

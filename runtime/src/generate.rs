@@ -39,13 +39,10 @@ pub struct GenerateParams {
     pub ignore_eos: bool,
     /// Lower the context limit below the model's (`None`: the model's).
     pub context_limit: Option<usize>,
-    /// Prompt tokens per forward pass during prefill; bounds activation memory for long prompts without
-    /// changing results (a token's numbers do not depend on its batch).
-    pub prefill_chunk: usize,
+    /// Prompt tokens per forward pass during prefill (`None`: the memory plan's); bounds activation memory
+    /// for long prompts without changing results (a token's numbers do not depend on its batch).
+    pub prefill_chunk: Option<usize>,
 }
-
-/// Prompt tokens per prefill pass unless asked otherwise.
-pub const DEFAULT_PREFILL_CHUNK: usize = 512;
 
 impl Default for GenerateParams {
     fn default() -> Self {
@@ -56,7 +53,7 @@ impl Default for GenerateParams {
             expert_top_k: None,
             ignore_eos: false,
             context_limit: None,
-            prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            prefill_chunk: None,
         }
     }
 }
@@ -153,7 +150,8 @@ impl Pipeline {
         let mut cache = self.model.new_cache();
         let t0 = Instant::now();
         let mut logits = Vec::new();
-        for chunk in ids.chunks(params.prefill_chunk.max(1)) {
+        let chunk = params.prefill_chunk.unwrap_or(self.model.memory_plan.prefill_chunk);
+        for chunk in ids.chunks(chunk.max(1)) {
             logits = self.model.forward(chunk, &mut cache, &opts)?;
         }
         let prefill_time = t0.elapsed();

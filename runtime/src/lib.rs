@@ -34,9 +34,9 @@ pub mod weights;
 
 pub use convert::{convert_model, StoreLayout};
 pub use error::{ModelError, Result};
-pub use generate::{FinishReason, GenerateParams, GenerationStats, Pipeline, Prompt, DEFAULT_PREFILL_CHUNK};
+pub use generate::{FinishReason, GenerateParams, GenerationStats, Pipeline, Prompt};
 pub use location::model_dir;
-pub use memory_plan::MemoryPlan;
+pub use memory_plan::{MemoryPlan, DEFAULT_PREFILL_CHUNK, STREAMED_PREFILL_CHUNK};
 pub use model::{DecoderModel, ForwardOptions, ModelInfo, PrefetchMode, SeqRequest};
 pub use models::{load_model, load_model_with, supported_model_types};
 pub use moe::RouterKind;

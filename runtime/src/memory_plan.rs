@@ -9,7 +9,13 @@
 //! - **margin** = max(1 GiB, total / 32): activations, tokenizer, allocator slack.
 //! - **KV per sequence** = (K and V of every full-attention layer + recurrent state) for the context limit
 //!   when one is given (`--ctx-size`), else for min(model context, 32768) tokens.
-//! - **room for experts** = limit − resident weights − KV − margin.
+//! - **prefill activations** = prompt tokens per prefill pass × the model's activation bytes per token
+//!   (`--prefill-chunk` when given). A pass reads each streamed record it misses once, so streamed (and
+//!   mmapped) experts take passes of 2048 tokens, halved while their activations would exceed ⅛ of the room
+//!   (down to 512); resident ones take 512, which computes as fast (README, "Long prompts bigger than RAM":
+//!   on `compare.sh large`'s model a 2,048-token prompt read 9.3 records per token in passes of 512 and 5.2
+//!   in one of 2,048, and prefilled 32.6 against 41.5 tok/s).
+//! - **room for experts** = limit − resident weights − KV − prefill activations − margin.
 //! - `--experts auto` keeps every expert resident when they fit in that room, else streams them.
 //! - A **draft model** and a **prefix cache** take their bytes off the room too (none exist yet).
 //! - The streamed **expert cache** (slots under a hard budget) is `--expert-cache` when given, else the
@@ -78,6 +84,9 @@ pub struct ModelFootprint {
     pub state_bytes: u64,
     /// The model's own context limit.
     pub context_length: usize,
+    /// Activations one prompt token holds at the peak of a prefill pass (f32 hidden states, projections,
+    /// router logits, its routed experts' inputs and outputs).
+    pub activation_bytes_per_token: u64,
 }
 
 /// What the user asked for.
@@ -91,6 +100,8 @@ pub struct PlanRequest {
     pub io: IoMode,
     /// `--ctx-size`.
     pub context: Option<usize>,
+    /// `--prefill-chunk`.
+    pub prefill_chunk: Option<usize>,
     /// The weights live in GPU buffers under the working-set limit (the mlx backend on macOS).
     pub gpu_buffers: bool,
     /// A draft model kept in memory for speculative decoding (none yet: 0).
@@ -107,6 +118,7 @@ impl PlanRequest {
             cache_bytes: opts.cache_bytes,
             io: opts.io,
             context: opts.context,
+            prefill_chunk: opts.prefill_chunk,
             gpu_buffers: opts.backend == BackendKind::Mlx && cfg!(target_os = "macos"),
             ..Self::default()
         }
@@ -139,6 +151,10 @@ pub struct MemoryPlan {
     pub kv_tokens: usize,
     /// KV and recurrent state of one sequence.
     pub kv_per_sequence: u64,
+    /// Prompt tokens per prefill pass.
+    pub prefill_chunk: usize,
+    /// Activations of one prefill pass.
+    pub prefill_activations: u64,
     /// Where the experts live.
     pub placement: ExpertPlacement,
     /// Bytes of expert records held in slots (all of them when resident).
@@ -155,6 +171,13 @@ pub struct MemoryPlan {
 
 /// KV tokens reserved when no context limit is given.
 pub const DEFAULT_KV_TOKENS: usize = 32768;
+
+/// Prompt tokens per prefill pass when the experts are resident, and the fewest a streamed model's passes
+/// are cut to.
+pub const DEFAULT_PREFILL_CHUNK: usize = 512;
+
+/// Prompt tokens per prefill pass when the experts are streamed (or mmapped) and memory allows.
+pub const STREAMED_PREFILL_CHUNK: usize = 2048;
 
 /// Smallest default expert cache.
 const MIN_DEFAULT_CACHE: u64 = 256 << 20;
@@ -174,19 +197,38 @@ impl MemoryPlan {
             .kv_bytes_per_token
             .saturating_mul(kv_tokens as u64)
             .saturating_add(model.state_bytes);
-        let room = limit
+        let before_prefill = limit
             .saturating_sub(model.resident_weights)
             .saturating_sub(kv_per_sequence)
             .saturating_sub(req.draft_model)
             .saturating_sub(req.prefix_cache)
             .saturating_sub(margin);
+        let activations = |chunk: usize| model.activation_bytes_per_token.saturating_mul(chunk as u64);
+        // Placement is decided with the resident chunk's activations (or the one asked for) taken off.
+        let room_for = |chunk: usize| before_prefill.saturating_sub(activations(chunk));
+        let first_chunk = req.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK);
         let placement = match req.mode {
             ExpertMode::Resident => ExpertPlacement::Resident,
             ExpertMode::Mmap => ExpertPlacement::Mmap,
             ExpertMode::Stream => ExpertPlacement::Stream,
-            ExpertMode::Auto if req.cache_bytes.is_none() && model.expert_bytes <= room => ExpertPlacement::Resident,
+            ExpertMode::Auto if req.cache_bytes.is_none() && model.expert_bytes <= room_for(first_chunk) => {
+                ExpertPlacement::Resident
+            }
             ExpertMode::Auto => ExpertPlacement::Stream,
         };
+        let prefill_chunk = match (req.prefill_chunk, placement) {
+            (Some(chunk), _) => chunk.max(1),
+            (None, ExpertPlacement::Resident) => DEFAULT_PREFILL_CHUNK,
+            (None, _) => {
+                let mut chunk = STREAMED_PREFILL_CHUNK;
+                while chunk > DEFAULT_PREFILL_CHUNK && activations(chunk) > before_prefill / 8 {
+                    chunk /= 2;
+                }
+                chunk
+            }
+        };
+        let prefill_activations = activations(prefill_chunk);
+        let room = room_for(prefill_chunk);
         let expert_cache = match placement {
             ExpertPlacement::Resident | ExpertPlacement::Mmap => model.expert_bytes,
             ExpertPlacement::Stream => req
@@ -205,6 +247,8 @@ impl MemoryPlan {
             margin,
             kv_tokens,
             kv_per_sequence,
+            prefill_chunk,
+            prefill_activations,
             placement,
             expert_cache,
             room,
@@ -223,6 +267,7 @@ impl MemoryPlan {
         self.model.resident_weights
             + experts
             + self.kv_per_sequence
+            + self.prefill_activations
             + self.draft_model
             + self.prefix_cache
             + self.margin
@@ -279,6 +324,12 @@ impl fmt::Display for MemoryPlan {
             gib(self.kv_per_sequence),
             self.kv_tokens
         )?;
+        writeln!(
+            f,
+            "  prefill          {:>11} ({} prompt tokens per pass)",
+            gib(self.prefill_activations),
+            self.prefill_chunk
+        )?;
         let optional = |b: u64| if b == 0 { "none".to_string() } else { gib(b) };
         writeln!(f, "  draft model      {:>11}", optional(self.draft_model))?;
         writeln!(f, "  prefix cache     {:>11}", optional(self.prefix_cache))?;
@@ -316,6 +367,9 @@ mod tests {
             kv_bytes_per_token: 12 * 2 * 2 * 256 * 4,
             state_bytes: 36 * (64 * 128 * 128 + 3 * 12288) * 4,
             context_length: 262_144,
+            // 3 hidden vectors + the router's 256 logits + 8 experts' inputs, outputs, gate and up outputs
+            // + the shared expert's 1024-wide intermediates (the widest stage), f32.
+            activation_bytes_per_token: (3 * 3072 + 256 + 8 * (2 * 3072 + 2 * 1024) + 3 * 1024 + 1) * 4,
         }
     }
 
@@ -331,8 +385,14 @@ mod tests {
         assert_eq!(cpu.kv_per_sequence, 32768 * 49152 + 36 * (1_048_576 + 36864) * 4);
         assert_eq!(cpu.placement, ExpertPlacement::Stream);
         assert_eq!(cpu.kv_per_sequence, 1_766_916_096);
+        // Streamed: prefill passes of 2048 tokens, whose activations come off the room.
+        assert_eq!(cpu.prefill_chunk, 2048);
+        assert_eq!(cpu.prefill_activations, 2048 * 312_324);
         // The slot cache takes all the room the other budgets leave, and reads bypass the page cache.
-        assert_eq!(cpu.room, 44_917_735_424 - 3_500_000_000 - 1_766_916_096 - 2 * GIB);
+        assert_eq!(
+            cpu.room,
+            44_917_735_424 - 3_500_000_000 - 1_766_916_096 - 2048 * 312_324 - 2 * GIB
+        );
         assert_eq!(cpu.expert_cache, cpu.room);
         assert_eq!(cpu.total(), cpu.limit);
         assert!(cpu.direct_io);
@@ -365,10 +425,14 @@ mod tests {
             kv_bytes_per_token: 48 * 2 * 4 * 128 * 4,
             state_bytes: 0,
             context_length: 40960,
+            activation_bytes_per_token: 200_000,
         };
         let p = MemoryPlan::new(machine, small, &PlanRequest::default());
         assert_eq!(p.placement, ExpertPlacement::Resident);
         assert_eq!(p.expert_cache, 16 * GIB);
+        // Resident experts are never read again: passes of 512 tokens compute as fast and hold less.
+        assert_eq!((p.prefill_chunk, p.prefill_activations), (512, 512 * 200_000));
+        assert!(p.to_string().contains("(512 prompt tokens per pass)"), "{p}");
         // The same model when the GPU may wire only 16 GiB: streamed.
         let tight = MachineMemory {
             gpu_working_set: Some(16 * GIB),
@@ -436,5 +500,81 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(MemoryPlan::new(mac_64gb(), few, &req).expert_cache, 1000);
+    }
+
+    #[test]
+    fn streamed_prefill_passes_shrink_to_fit_an_eighth_of_the_room() {
+        // 20 GiB available, 1 GiB resident, no KV to speak of, experts bigger than the room: streamed.
+        let machine = MachineMemory {
+            total: 24 * GIB,
+            available: 20 * GIB,
+            gpu_working_set: None,
+            measured: true,
+        };
+        let model = |per_token: u64| ModelFootprint {
+            resident_weights: GIB,
+            expert_bytes: 100 * GIB,
+            context_length: 16,
+            activation_bytes_per_token: per_token,
+            ..Default::default()
+        };
+        let before = 20 * GIB - GIB - GIB; // less the resident weights and the 1 GiB margin
+        let chunk = |per_token: u64, req: &PlanRequest| {
+            let p = MemoryPlan::new(machine, model(per_token), req);
+            assert_eq!(p.placement, ExpertPlacement::Stream);
+            assert_eq!(p.room, before.saturating_sub(p.prefill_activations), "{p}");
+            assert_eq!(p.fits(), p.prefill_activations <= before, "{p}");
+            p.prefill_chunk
+        };
+        let auto = PlanRequest::default();
+        // 2048 tokens fit in an eighth of the room up to before / 8 / 2048 bytes a token.
+        let edge = before / 8 / 2048;
+        assert_eq!(chunk(edge, &auto), 2048);
+        assert_eq!(chunk(edge + 1, &auto), 1024);
+        assert_eq!(chunk(2 * edge + 1, &auto), 512);
+        // Never below 512 by default, even when that takes more than an eighth (or more than there is: the
+        // plan then says it does not fit).
+        assert_eq!(chunk(4 * edge, &auto), 512);
+        assert_eq!(chunk(100 * edge, &auto), 512);
+        // `--prefill-chunk` is kept as given, whatever it costs.
+        let asked = PlanRequest {
+            prefill_chunk: Some(4096),
+            ..Default::default()
+        };
+        assert_eq!(chunk(edge, &asked), 4096);
+        // Mmapped experts are read per pass as well.
+        let mmap = PlanRequest {
+            mode: ExpertMode::Mmap,
+            ..Default::default()
+        };
+        assert_eq!(MemoryPlan::new(machine, model(edge), &mmap).prefill_chunk, 2048);
+    }
+
+    #[test]
+    fn the_prefill_budget_can_tip_auto_into_streaming() {
+        // Experts that fit the room exactly, until a 512-token pass's activations come off it.
+        let machine = mac_64gb();
+        let base = ModelFootprint {
+            resident_weights: GIB,
+            context_length: 16,
+            ..Default::default()
+        };
+        let room = MemoryPlan::new(machine, base, &PlanRequest::default()).room;
+        let fits = ModelFootprint {
+            expert_bytes: room - 512 * 1000,
+            activation_bytes_per_token: 1000,
+            ..base
+        };
+        let p = MemoryPlan::new(machine, fits, &PlanRequest::default());
+        assert_eq!((p.placement, p.prefill_chunk), (ExpertPlacement::Resident, 512), "{p}");
+        assert!(p.fits());
+        let over = ModelFootprint {
+            expert_bytes: room - 512 * 1000 + 1,
+            ..fits
+        };
+        assert_eq!(
+            MemoryPlan::new(machine, over, &PlanRequest::default()).placement,
+            ExpertPlacement::Stream
+        );
     }
 }

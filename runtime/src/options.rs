@@ -84,6 +84,8 @@ pub struct ExpertOptions {
     pub backend: BackendKind,
     /// The context limit the KV budget is planned for (`None`: the planner's default).
     pub context: Option<usize>,
+    /// Prompt tokens per prefill pass the activation budget is planned for (`None`: the planner's choice).
+    pub prefill_chunk: Option<usize>,
     /// Element type of the `cpu` backend's KV caches (the other backends keep f32).
     pub kv_cache: KvType,
 }
@@ -150,6 +152,7 @@ impl Default for ExpertOptions {
             prefetch_ahead: DEFAULT_PREFETCH_AHEAD,
             backend: BackendKind::default_for_build(),
             context: None,
+            prefill_chunk: None,
             kv_cache: KvType::F32,
         }
     }

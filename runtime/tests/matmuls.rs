@@ -7,3 +7,8 @@ mod common;
 fn matmul_many_equals_each_matrix_alone_with_the_exact_kernels() {
     common::assert_matmul_many_equals_each_alone();
 }
+
+#[test]
+fn a_long_prompt_in_token_blocks_equals_its_tokens_alone_with_the_exact_kernels() {
+    common::assert_long_prompts_equal_their_tokens_alone();
+}

@@ -95,7 +95,7 @@ fn chunked_prefill_gives_the_same_tokens() {
             let params = GenerateParams {
                 max_tokens: 8,
                 ignore_eos: true,
-                prefill_chunk: chunk,
+                prefill_chunk: Some(chunk),
                 ..Default::default()
             };
             let (_, stats) = run(&p, &Prompt::Raw(g.prompt.clone()), &params);

@@ -18,6 +18,12 @@ fn matmul_many_equals_each_matrix_alone_with_the_int8_kernels() {
 }
 
 #[test]
+fn a_long_prompt_in_token_blocks_equals_its_tokens_alone_with_the_int8_kernels() {
+    set_q8_activations(true);
+    common::assert_long_prompts_equal_their_tokens_alone();
+}
+
+#[test]
 fn matmul_matches_the_int8_oracle_for_every_shape() {
     set_q8_activations(true);
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);

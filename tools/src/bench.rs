@@ -293,11 +293,12 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
     if a.prompt_tokens == 0 || a.gen_tokens == 0 {
         bail!("--prompt-tokens and --gen-tokens must be at least 1");
     }
-    let chunk = a.prefill.chunk()?;
-    let opts = a.engine.options()?;
+    let mut opts = a.engine.options()?;
+    opts.prefill_chunk = a.prefill.chunk()?;
     let started = Instant::now();
     let mut p = Pipeline::load_with(&a.model, &opts).with_context(|| format!("loading {}", a.model.display()))?;
     let load_seconds = started.elapsed().as_secs_f64();
+    let chunk = opts.prefill_chunk.unwrap_or(p.model.memory_plan.prefill_chunk);
     // Streaming: log the routing trace, to judge the cache against the optimal one on the same requests.
     let engine_source = (p.model.expert_counters().is_some())
         .then(|| p.model.expert_source())
@@ -414,7 +415,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
                     twins,
                 }));
                 let tokens = &stream[last];
-                // Loads the twins: a prompt of up to 512 tokens (a default chunk) routes to more distinct
+                // Loads the twins: a prompt of up to 512 tokens routes to more distinct
                 // experts than the cache holds of a layer, or to as many as the run's own prompt did.
                 let warmup = tokens.len().min(512);
                 measure(&p.model, "twins", &tokens[..warmup], warmup - 1, chunk, top_k, None)?;

@@ -121,7 +121,7 @@ pub fn run(a: DoctorArgs) -> Result<()> {
         ..probes
     };
     // The OS page cache holds expert records too, unless reads bypass it: what the plan leaves free.
-    let used = size.resident_bytes + plan.expert_cache + plan.kv_per_sequence + plan.margin;
+    let used = size.resident_bytes + plan.expert_cache + plan.kv_per_sequence + plan.prefill_activations + plan.margin;
     let page_cache = if plan.placement == ExpertPlacement::Resident || plan.direct_io {
         0
     } else {
@@ -132,7 +132,7 @@ pub fn run(a: DoctorArgs) -> Result<()> {
     let k_of = |k: usize| if k == 0 { size.top_k } else { k };
     let report = Report {
         config: config_path.display().to_string(),
-        fits: size.resident_bytes + plan.kv_per_sequence + plan.margin <= plan.limit,
+        fits: size.resident_bytes + plan.kv_per_sequence + plan.prefill_activations + plan.margin <= plan.limit,
         placement: format!("{:?}", plan.placement).to_lowercase(),
         expert_cache: plan.expert_cache,
         page_cache_for_experts: page_cache,

@@ -134,21 +134,16 @@ fn main() -> Result<()> {
 /// How prompts are cut into prefill passes (generate, bench).
 #[derive(clap::Args, Clone, Debug)]
 pub(crate) struct PrefillArgs {
-    /// Prompt tokens per prefill pass (bounds memory on long prompts; results do not depend on it).
-    #[arg(
-        short = 'b',
-        long,
-        alias = "batch-size",
-        default_value_t = sluice_runtime::DEFAULT_PREFILL_CHUNK,
-        env = "SLUICE_PREFILL_CHUNK"
-    )]
-    prefill_chunk: usize,
+    /// Prompt tokens per prefill pass (default: the memory plan's, 512 with resident experts and up to 2048
+    /// streamed, which then read fewer records per token; results do not depend on it).
+    #[arg(short = 'b', long, alias = "batch-size", env = "SLUICE_PREFILL_CHUNK")]
+    prefill_chunk: Option<usize>,
 }
 
 impl PrefillArgs {
-    /// The chunk size, checked.
-    pub(crate) fn chunk(&self) -> Result<usize> {
-        if self.prefill_chunk == 0 {
+    /// The chunk size asked for, checked (`None`: the memory plan's).
+    pub(crate) fn chunk(&self) -> Result<Option<usize>> {
+        if self.prefill_chunk == Some(0) {
             bail!("--prefill-chunk must be at least 1");
         }
         Ok(self.prefill_chunk)
@@ -180,6 +175,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     params.sampling.validate()?;
     let mut opts = a.engine.options()?;
     opts.context = a.ctx_size;
+    opts.prefill_chunk = prefill_chunk;
     let pipeline =
         Pipeline::load_with(&a.model, &opts).with_context(|| format!("loading the model in {}", a.model.display()))?;
     if a.engine.verbose {

@@ -114,6 +114,7 @@ impl EngineArgs {
             prefetch_ahead: self.prefetch_ahead,
             backend: self.backend.unwrap_or_else(BackendKind::default_for_build),
             context: None,
+            prefill_chunk: None,
             kv_cache: match (self.kv_cache, self.kernels) {
                 (KvCacheArg::F16, _) | (KvCacheArg::Auto, Kernels::Q8) => KvType::F16,
                 (KvCacheArg::F32, _) | (KvCacheArg::Auto, Kernels::Exact) => KvType::F32,

@@ -87,7 +87,7 @@ pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &Expe
         &stacks,
         store,
         opts,
-        footprint(&arch.dims, opts.kv_element_bytes()),
+        footprint(&arch, opts.kv_element_bytes()),
         rewrite,
     )?;
     let (source, memory_plan) = (opened.source, opened.plan);
@@ -377,9 +377,11 @@ impl DecoderDims {
     }
 }
 
-/// The per-sequence memory a model of these dimensions needs: K and V of `kv_bytes` per element for every
-/// full-attention layer, and the f32 state and conv history of every linear-attention layer.
-pub(crate) fn footprint(d: &DecoderDims, kv_bytes: u64) -> ModelFootprint {
+/// The per-sequence memory a model of this architecture needs: K and V of `kv_bytes` per element for every
+/// full-attention layer, the f32 state and conv history of every linear-attention layer, and a prompt
+/// token's activations in a prefill pass.
+pub(crate) fn footprint(arch: &Architecture, kv_bytes: u64) -> ModelFootprint {
+    let d = &arch.dims;
     let f32s = 4u64;
     let linear = d.hybrid.as_ref().map_or(0, |h| h.linear.iter().filter(|&&l| l).count());
     let kv_layers = (d.layers - linear) as u64;
@@ -392,8 +394,39 @@ pub(crate) fn footprint(d: &DecoderDims, kv_bytes: u64) -> ModelFootprint {
         kv_bytes_per_token: kv,
         state_bytes: state,
         context_length: d.context_length,
+        activation_bytes_per_token: activation_floats(arch) as u64 * f32s,
         ..ModelFootprint::default()
     }
+}
+
+/// f32s one prompt token holds at the peak of a layer pass, taking every buffer of the layer's widest
+/// stage as alive at once: the residual stream, its norm and the stage's output (3 hidden vectors), plus
+/// attention's projections and their roped copies, or linear attention's projections and conv output, or
+/// the FFN's: the router's logits, the token's routed experts' gathered inputs and outputs (`top_k` hidden
+/// vectors each), their gate and up outputs, and a shared expert's or a dense FFN's intermediate vectors.
+fn activation_floats(arch: &Architecture) -> usize {
+    let d = &arch.dims;
+    let a = &d.attn;
+    let gate = if d.hybrid.is_some() { 2 } else { 1 };
+    let (q, kv) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
+    let attention = q * gate + 2 * kv + (q + kv) + q;
+    let linear = d.hybrid.as_ref().map_or(0, |h| {
+        let x = &h.delta;
+        2 * x.conv_dim() + 2 * x.value_dim() + 2 * x.v_heads
+    });
+    let ffn = (arch.ffn.iter())
+        .map(|p| match p {
+            FfnPlan::Dense { inter, .. } => 3 * inter,
+            FfnPlan::Moe {
+                num_experts,
+                inter,
+                shared,
+                ..
+            } => num_experts + d.top_k * (2 * d.hidden + 2 * inter) + shared.map_or(0, |s| 3 * s + 1),
+        })
+        .max()
+        .unwrap_or(0);
+    3 * d.hidden + attention.max(linear).max(ffn)
 }
 
 /// Everything a backend's model is built from.

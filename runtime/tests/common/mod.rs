@@ -210,3 +210,76 @@ pub fn assert_matmul_many_equals_each_alone() {
         }
     }
 }
+
+/// A prompt longer than [`matmul_many`](sluice_runtime::cpu::matmul_many)'s token block (run in blocks) gives
+/// each token what it gets alone, bit for bit, on every instruction set, for 4-bit (as stored and tiled) and
+/// 8-bit matrices: with the exact kernels or the int8 ones, whichever the process has on.
+#[allow(dead_code)] // not every test binary uses it
+pub fn assert_long_prompts_equal_their_tokens_alone() {
+    use rand::{Rng, SeedableRng};
+    use sluice_runtime::cpu::{matmul_many, pack_codes, tiled, token_block, FloatType, Isa, MatRef, QuantMatrix};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let (cols, group) = (4096, 64);
+    let gpr = cols / group;
+    let bf16 = |v: f32| half::bf16::from_f32(v).to_bits().to_le_bytes();
+    let owned: Vec<Owned> = [(4u32, 64usize), (8, 5)]
+        .iter()
+        .map(|&(bits, rows)| {
+            let codes: Vec<u32> = (0..rows * cols).map(|_| rng.gen_range(0..(1u32 << bits))).collect();
+            let scales = (0..rows * gpr)
+                .flat_map(|_| bf16(rng.gen_range(-0.1f32..0.1)))
+                .collect();
+            let biases = (0..rows * gpr).flat_map(|_| bf16(rng.gen_range(-1f32..1.0))).collect();
+            (bits, rows, pack_codes(bits, &codes), scales, biases)
+        })
+        .collect();
+    type Owned = (u32, usize, Vec<u8>, Vec<u8>, Vec<u8>);
+    fn quant((bits, rows, packed, scales, biases): &Owned, group: usize, cols: usize) -> QuantMatrix<'_> {
+        QuantMatrix {
+            packed,
+            scales,
+            biases,
+            scale_type: FloatType::BF16,
+            bits: *bits,
+            group,
+            rows: *rows,
+            cols,
+        }
+    }
+    let four = quant(&owned[0], group, cols);
+    let tiles = tiled::tile(&four, tiled::PASS_TILES).expect("4-bit g64 tiles");
+    let mats = [
+        MatRef::Quant(four),
+        MatRef::Quant(quant(&owned[1], group, cols)),
+        MatRef::Tiled(sluice_runtime::cpu::TiledMatrix {
+            data: &tiles,
+            scale_type: FloatType::BF16,
+            group,
+            rows: four.rows,
+            cols,
+            panel: tiled::PASS_TILES,
+        }),
+    ];
+    // Two whole blocks and a short one.
+    let n = 2 * token_block(cols) + 5;
+    let x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-3f32..3.0)).collect();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for isa in Isa::available() {
+        for parallel in [true, false] {
+            let mut ys: Vec<Vec<f32>> = mats.iter().map(|m| vec![0f32; n * m.rows()]).collect();
+            let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
+            matmul_many(isa, &mats, &x, n, &mut outs, parallel);
+            for (i, (m, y)) in mats.iter().zip(&ys).enumerate() {
+                for t in 0..n {
+                    let mut alone = vec![0f32; m.rows()];
+                    m.matmul(isa, &x[t * cols..(t + 1) * cols], 1, &mut alone);
+                    assert_eq!(
+                        bits(&y[t * m.rows()..(t + 1) * m.rows()]),
+                        bits(&alone),
+                        "matrix {i}, {isa:?}, token {t} of {n}, parallel {parallel}"
+                    );
+                }
+            }
+        }
+    }
+}
