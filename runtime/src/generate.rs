@@ -39,8 +39,10 @@ pub struct GenerateParams {
     pub ignore_eos: bool,
     /// Lower the context limit below the model's (`None`: the model's).
     pub context_limit: Option<usize>,
-    /// Prompt tokens per forward pass during prefill (`None`: the memory plan's); bounds activation memory
-    /// for long prompts without changing results (a token's numbers do not depend on its batch).
+    /// Prompt tokens per forward pass during prefill (`None`: the memory plan's, which budgets its
+    /// activations; a longer one should be planned too, through `ExpertOptions::prefill_chunk`). Bounds
+    /// activation memory for long prompts without changing results (a token's numbers do not depend on its
+    /// batch).
     pub prefill_chunk: Option<usize>,
 }
 

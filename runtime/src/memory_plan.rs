@@ -6,15 +6,16 @@
 //! The rule:
 //! - **limit** = available memory now; with the mlx backend on macOS, at most Metal's working-set limit
 //!   (weights, slots and KV are GPU buffers there).
-//! - **margin** = max(1 GiB, total / 32): activations, tokenizer, allocator slack.
+//! - **margin** = max(1 GiB, total / 32): the tokenizer, a token block's matmul scratch, allocator slack.
 //! - **KV per sequence** = (K and V of every full-attention layer + recurrent state) for the context limit
 //!   when one is given (`--ctx-size`), else for min(model context, 32768) tokens.
 //! - **prefill activations** = prompt tokens per prefill pass × the model's activation bytes per token
-//!   (`--prefill-chunk` when given). A pass reads each streamed record it misses once, so streamed (and
-//!   mmapped) experts take passes of 2048 tokens, halved while their activations would exceed ⅛ of the room
-//!   (down to 512); resident ones take 512, which computes as fast (README, "Long prompts bigger than RAM":
-//!   on `compare.sh large`'s model a 2,048-token prompt read 9.3 records per token in passes of 512 and 5.2
-//!   in one of 2,048, and prefilled 32.6 against 41.5 tok/s).
+//!   (`--prefill-chunk` when given; never more tokens than the KV budget's). A pass reads each streamed record
+//!   it misses once, so streamed (and mmapped) experts take passes of 2048 tokens, halved while their
+//!   activations would exceed ⅛ of the room left before them (down to 512); resident ones take 512, which
+//!   computes as fast (README, "Thirty-third session": on `compare.sh large`'s model a 2,048-token prompt read
+//!   23.5 MB per token in passes of 512 and 14.1 in one of 2,048; on a slow disk the first waited on reads
+//!   for 22% of the prefill and the second for 1%).
 //! - **room for experts** = limit − resident weights − KV − prefill activations − margin.
 //! - `--experts auto` keeps every expert resident when they fit in that room, else streams them.
 //! - A **draft model** and a **prefix cache** take their bytes off the room too (none exist yet).
@@ -206,7 +207,9 @@ impl MemoryPlan {
         let activations = |chunk: usize| model.activation_bytes_per_token.saturating_mul(chunk as u64);
         // Placement is decided with the resident chunk's activations (or the one asked for) taken off.
         let room_for = |chunk: usize| before_prefill.saturating_sub(activations(chunk));
-        let first_chunk = req.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK);
+        // No pass holds more tokens than the context the KV budget covers.
+        let max_chunk = kv_tokens.max(1);
+        let first_chunk = req.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK).clamp(1, max_chunk);
         let placement = match req.mode {
             ExpertMode::Resident => ExpertPlacement::Resident,
             ExpertMode::Mmap => ExpertPlacement::Mmap,
@@ -217,14 +220,13 @@ impl MemoryPlan {
             ExpertMode::Auto => ExpertPlacement::Stream,
         };
         let prefill_chunk = match (req.prefill_chunk, placement) {
-            (Some(chunk), _) => chunk.max(1),
-            (None, ExpertPlacement::Resident) => DEFAULT_PREFILL_CHUNK,
+            (Some(_), _) | (None, ExpertPlacement::Resident) => first_chunk,
             (None, _) => {
                 let mut chunk = STREAMED_PREFILL_CHUNK;
                 while chunk > DEFAULT_PREFILL_CHUNK && activations(chunk) > before_prefill / 8 {
                     chunk /= 2;
                 }
-                chunk
+                chunk.min(max_chunk)
             }
         };
         let prefill_activations = activations(prefill_chunk);
@@ -264,13 +266,20 @@ impl MemoryPlan {
             ExpertPlacement::Mmap => 0,
             _ => self.expert_cache,
         };
-        self.model.resident_weights
-            + experts
-            + self.kv_per_sequence
-            + self.prefill_activations
-            + self.draft_model
-            + self.prefix_cache
-            + self.margin
+        self.fixed_bytes().saturating_add(experts)
+    }
+
+    /// Every budget but the experts': what the model needs in memory however its experts are served.
+    pub fn fixed_bytes(&self) -> u64 {
+        [
+            self.kv_per_sequence,
+            self.prefill_activations,
+            self.draft_model,
+            self.prefix_cache,
+            self.margin,
+        ]
+        .iter()
+        .fold(self.model.resident_weights, |sum, b| sum.saturating_add(*b))
     }
 
     /// Whether every budget fits in the limit (an explicit `--expert-cache` may overcommit the machine).
@@ -514,7 +523,7 @@ mod tests {
         let model = |per_token: u64| ModelFootprint {
             resident_weights: GIB,
             expert_bytes: 100 * GIB,
-            context_length: 16,
+            context_length: 32768,
             activation_bytes_per_token: per_token,
             ..Default::default()
         };
@@ -548,6 +557,28 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(MemoryPlan::new(machine, model(edge), &mmap).prefill_chunk, 2048);
+        // No pass is longer than the context the KV budget covers, asked for or not.
+        let short = PlanRequest {
+            context: Some(1000),
+            ..Default::default()
+        };
+        assert_eq!(chunk(edge, &short), 1000);
+        assert_eq!(
+            chunk(
+                edge,
+                &PlanRequest {
+                    prefill_chunk: Some(4096),
+                    ..short
+                }
+            ),
+            1000
+        );
+        // An absurd request saturates rather than wraps: the plan says it does not fit.
+        let absurd = PlanRequest {
+            prefill_chunk: Some(usize::MAX),
+            ..Default::default()
+        };
+        assert!(!MemoryPlan::new(machine, model(u64::MAX / 2), &absurd).fits());
     }
 
     #[test]
@@ -556,7 +587,7 @@ mod tests {
         let machine = mac_64gb();
         let base = ModelFootprint {
             resident_weights: GIB,
-            context_length: 16,
+            context_length: 32768,
             ..Default::default()
         };
         let room = MemoryPlan::new(machine, base, &PlanRequest::default()).room;

@@ -270,33 +270,39 @@ impl<B: Backend> Model<B> {
         let mut last_experts = Vec::new();
         let decode = SeqSpan::all_decode(spans);
         for (i, layer) in self.layers.iter().enumerate() {
-            let a = be.rms_norm(&x, &layer.input_norm, self.eps)?;
-            let a = match &layer.mixer {
-                Mixer::Attention(attn) => {
-                    let start = Instant::now();
-                    let mut kv = seqs
-                        .iter_mut()
-                        .map(|s| match &mut s.layers[i] {
-                            LayerState::Kv(k) => Ok(k),
-                            LayerState::Recurrent(_) => Err(ModelError::Backend("layer state kind mismatch".into())),
-                        })
-                        .collect::<Result<Vec<_>>>()?;
-                    let y = attn.forward(be, &a, spans, &mut kv)?;
-                    self.profile.add(Part::FullAttention, start.elapsed());
-                    y
-                }
-                Mixer::Linear(delta) => {
-                    let mut st = seqs
-                        .iter_mut()
-                        .map(|s| match &mut s.layers[i] {
-                            LayerState::Recurrent(r) => Ok(r),
-                            LayerState::Kv(_) => Err(ModelError::Backend("layer state kind mismatch".into())),
-                        })
-                        .collect::<Result<Vec<_>>>()?;
-                    delta.forward(be, &a, spans, &mut st, &self.profile)?
-                }
+            // The norm and the mixer's output are dropped before the FFN: a long prompt's pass holds two
+            // fewer hidden vectors per token through it.
+            x = {
+                let normed = be.rms_norm(&x, &layer.input_norm, self.eps)?;
+                let mixed = match &layer.mixer {
+                    Mixer::Attention(attn) => {
+                        let start = Instant::now();
+                        let mut kv = seqs
+                            .iter_mut()
+                            .map(|s| match &mut s.layers[i] {
+                                LayerState::Kv(k) => Ok(k),
+                                LayerState::Recurrent(_) => {
+                                    Err(ModelError::Backend("layer state kind mismatch".into()))
+                                }
+                            })
+                            .collect::<Result<Vec<_>>>()?;
+                        let y = attn.forward(be, &normed, spans, &mut kv)?;
+                        self.profile.add(Part::FullAttention, start.elapsed());
+                        y
+                    }
+                    Mixer::Linear(delta) => {
+                        let mut st = seqs
+                            .iter_mut()
+                            .map(|s| match &mut s.layers[i] {
+                                LayerState::Recurrent(r) => Ok(r),
+                                LayerState::Kv(_) => Err(ModelError::Backend("layer state kind mismatch".into())),
+                            })
+                            .collect::<Result<Vec<_>>>()?;
+                        delta.forward(be, &normed, spans, &mut st, &self.profile)?
+                    }
+                };
+                be.add(&x, &mixed)?
             };
-            x = be.add(&x, &a)?;
             let b = be.rms_norm(&x, &layer.post_norm, self.eps)?;
             let f = match &layer.ffn {
                 Ffn::Dense(mlp) => {

@@ -121,7 +121,7 @@ pub fn run(a: DoctorArgs) -> Result<()> {
         ..probes
     };
     // The OS page cache holds expert records too, unless reads bypass it: what the plan leaves free.
-    let used = size.resident_bytes + plan.expert_cache + plan.kv_per_sequence + plan.prefill_activations + plan.margin;
+    let used = plan.fixed_bytes().saturating_add(plan.expert_cache);
     let page_cache = if plan.placement == ExpertPlacement::Resident || plan.direct_io {
         0
     } else {
@@ -132,7 +132,7 @@ pub fn run(a: DoctorArgs) -> Result<()> {
     let k_of = |k: usize| if k == 0 { size.top_k } else { k };
     let report = Report {
         config: config_path.display().to_string(),
-        fits: size.resident_bytes + plan.kv_per_sequence + plan.prefill_activations + plan.margin <= plan.limit,
+        fits: plan.fixed_bytes() <= plan.limit,
         placement: format!("{:?}", plan.placement).to_lowercase(),
         expert_cache: plan.expert_cache,
         page_cache_for_experts: page_cache,
@@ -259,7 +259,9 @@ fn print_report(r: &Report, plan: &MemoryPlan) {
     print!("{plan}");
     println!();
     if !r.fits {
-        println!("does NOT fit: the resident weights, KV and margin alone exceed the memory limit");
+        println!(
+            "does NOT fit: the resident weights, KV, prefill activations and margin alone exceed the memory limit"
+        );
     } else {
         println!(
             "fits: experts {}{}",

@@ -84,6 +84,8 @@ pub fn run(a: EvalArgs) -> Result<()> {
     let text = std::fs::read_to_string(&a.text).with_context(|| format!("reading {}", a.text.display()))?;
     let mut opts = a.engine.options()?;
     opts.context = Some(a.ctx);
+    // Each window is one forward pass of `ctx` tokens: the plan budgets its activations.
+    opts.prefill_chunk = Some(a.ctx);
     let p = Pipeline::load_with(&a.model, &opts).with_context(|| format!("loading {}", a.model.display()))?;
     let m = &p.model;
     if a.engine.verbose {
@@ -138,7 +140,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
                 &format!("k={}", q.top_k),
                 &ids[..prompt + n],
                 prompt,
-                sluice_runtime::DEFAULT_PREFILL_CHUNK,
+                m.memory_plan.prefill_chunk,
                 q.top_k,
                 None,
             )?)

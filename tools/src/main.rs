@@ -135,7 +135,7 @@ fn main() -> Result<()> {
 #[derive(clap::Args, Clone, Debug)]
 pub(crate) struct PrefillArgs {
     /// Prompt tokens per prefill pass (default: the memory plan's, 512 with resident experts and up to 2048
-    /// streamed, which then read fewer records per token; results do not depend on it).
+    /// streamed or mmapped, which then read fewer records per token; results do not depend on it).
     #[arg(short = 'b', long, alias = "batch-size", env = "SLUICE_PREFILL_CHUNK")]
     prefill_chunk: Option<usize>,
 }

@@ -401,9 +401,11 @@ pub(crate) fn footprint(arch: &Architecture, kv_bytes: u64) -> ModelFootprint {
 
 /// f32s one prompt token holds at the peak of a layer pass, taking every buffer of the layer's widest
 /// stage as alive at once: the residual stream, its norm and the stage's output (3 hidden vectors), plus
-/// attention's projections and their roped copies, or linear attention's projections and conv output, or
-/// the FFN's: the router's logits, the token's routed experts' gathered inputs and outputs (`top_k` hidden
-/// vectors each), their gate and up outputs, and a shared expert's or a dense FFN's intermediate vectors.
+/// attention's projections, their roped copies and its output, or linear attention's projections, conv
+/// output and per-head outputs, or the FFN's: the router's logits, the token's routed experts' gathered
+/// inputs and outputs (`top_k` hidden vectors each), their gate and up outputs, and a shared expert's or a
+/// dense FFN's intermediate vectors. A matmul's own scratch is per token block (`cpu::token_block`), so it
+/// is not per token: the margin holds it.
 fn activation_floats(arch: &Architecture) -> usize {
     let d = &arch.dims;
     let a = &d.attn;
@@ -412,7 +414,7 @@ fn activation_floats(arch: &Architecture) -> usize {
     let attention = q * gate + 2 * kv + (q + kv) + q;
     let linear = d.hybrid.as_ref().map_or(0, |h| {
         let x = &h.delta;
-        2 * x.conv_dim() + 2 * x.value_dim() + 2 * x.v_heads
+        3 * x.conv_dim() + 3 * x.value_dim() + 4 * x.v_heads
     });
     let ffn = (arch.ffn.iter())
         .map(|p| match p {
