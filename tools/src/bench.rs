@@ -298,7 +298,8 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
     let started = Instant::now();
     let mut p = Pipeline::load_with(&a.model, &opts).with_context(|| format!("loading {}", a.model.display()))?;
     let load_seconds = started.elapsed().as_secs_f64();
-    let chunk = opts.prefill_chunk.unwrap_or(p.model.memory_plan.prefill_chunk);
+    // The pass asked for or the plan's own, as the plan budgets it.
+    let chunk = p.model.memory_plan.prefill_chunk;
     // Streaming: log the routing trace, to judge the cache against the optimal one on the same requests.
     let engine_source = (p.model.expert_counters().is_some())
         .then(|| p.model.expert_source())
@@ -415,8 +416,8 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
                     twins,
                 }));
                 let tokens = &stream[last];
-                // Loads the twins: a prompt of up to 512 tokens routes to more distinct
-                // experts than the cache holds of a layer, or to as many as the run's own prompt did.
+                // Loads the twins: a prompt of up to 512 tokens routes to more distinct experts than the cache
+                // holds of a layer, or to as many as the run's own prompt did.
                 let warmup = tokens.len().min(512);
                 measure(&p.model, "twins", &tokens[..warmup], warmup - 1, chunk, top_k, None)?;
                 // No step from here waits on the disk: it runs as a resident model does, threads awake.

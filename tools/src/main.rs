@@ -169,7 +169,8 @@ fn generate(a: GenerateArgs) -> Result<()> {
         expert_top_k: a.top_k,
         ignore_eos: a.ignore_eos,
         context_limit: a.ctx_size,
-        prefill_chunk,
+        // The plan's pass, which is `-b` when given.
+        prefill_chunk: None,
     };
     // Cheap checks before a load that may take minutes.
     params.sampling.validate()?;
