@@ -100,6 +100,89 @@ impl EvalGolden {
     }
 }
 
+/// A random quantized matrix that owns its bytes (codes, scales and biases of `scale_type`).
+#[allow(dead_code)] // not every test binary uses it
+pub struct RandomQuant {
+    packed: Vec<u8>,
+    scales: Vec<u8>,
+    biases: Vec<u8>,
+    bits: u32,
+    group: usize,
+    rows: usize,
+    cols: usize,
+    scale_type: sluice_runtime::cpu::FloatType,
+}
+
+#[allow(dead_code)] // not every test binary uses it
+impl RandomQuant {
+    /// Draws codes uniformly, scales in ±0.1 and biases in ±1, stored as `scale_type`.
+    pub fn new(
+        rng: &mut impl rand::Rng,
+        (bits, group, rows, cols): (u32, usize, usize, usize),
+        scale_type: sluice_runtime::cpu::FloatType,
+    ) -> Self {
+        let gpr = cols / group;
+        let codes: Vec<u32> = (0..rows * cols).map(|_| rng.gen_range(0..(1u32 << bits))).collect();
+        let mut floats = |n: usize, range: f32| -> Vec<u8> {
+            (0..n)
+                .flat_map(|_| half_bytes(rng.gen_range(-range..range), scale_type))
+                .collect()
+        };
+        let scales = floats(rows * gpr, 0.1);
+        let biases = floats(rows * gpr, 1.0);
+        RandomQuant {
+            packed: sluice_runtime::cpu::pack_codes(bits, &codes),
+            scales,
+            biases,
+            bits,
+            group,
+            rows,
+            cols,
+            scale_type,
+        }
+    }
+
+    /// The matrix as the kernels take it.
+    pub fn view(&self) -> sluice_runtime::cpu::QuantMatrix<'_> {
+        sluice_runtime::cpu::QuantMatrix {
+            packed: &self.packed,
+            scales: &self.scales,
+            biases: &self.biases,
+            scale_type: self.scale_type,
+            bits: self.bits,
+            group: self.group,
+            rows: self.rows,
+            cols: self.cols,
+        }
+    }
+}
+
+/// `v` as the two little-endian bytes of an f16, or else of a bf16.
+#[allow(dead_code)] // not every test binary uses it
+pub fn half_bytes(v: f32, ty: sluice_runtime::cpu::FloatType) -> [u8; 2] {
+    match ty {
+        sluice_runtime::cpu::FloatType::F16 => half::f16::from_f32(v).to_bits().to_le_bytes(),
+        _ => half::bf16::from_f32(v).to_bits().to_le_bytes(),
+    }
+}
+
+/// `m` tiled in panels of `panel` tiles (the layout resident 4-bit matrices take under the int8 kernels), and its view.
+#[allow(dead_code)] // not every test binary uses it
+pub fn tiled_view<'a>(
+    m: &sluice_runtime::cpu::QuantMatrix<'_>,
+    tiles: &'a [u8],
+    panel: usize,
+) -> sluice_runtime::cpu::MatRef<'a> {
+    sluice_runtime::cpu::MatRef::Tiled(sluice_runtime::cpu::TiledMatrix {
+        data: tiles,
+        scale_type: m.scale_type,
+        group: m.group,
+        rows: m.rows,
+        cols: m.cols,
+        panel,
+    })
+}
+
 /// `matmul_many` over matrices of several layouts (4- and 8-bit of two group sizes, bf16 and f16 scales, a dense one,
 /// two tiled ones (panels of one tile and of four), one big enough to split into several tasks) equals each matrix's
 /// `matmul` alone, bit for bit, for 1 to 5 tokens, in parallel and not: with whichever kernels the process has switched
@@ -107,64 +190,23 @@ impl EvalGolden {
 #[allow(dead_code)] // not every test binary uses it
 pub fn assert_matmul_many_equals_each_alone() {
     use rand::{Rng, SeedableRng};
-    use sluice_runtime::cpu::{matmul_many, pack_codes, DenseMatrix, FloatType, Isa, MatRef, QuantMatrix};
+    use sluice_runtime::cpu::{matmul_many, tiled, DenseMatrix, FloatType, Isa, MatRef};
     let mut rng = rand::rngs::StdRng::seed_from_u64(11);
     let cols = 256;
-    struct Owned {
-        packed: Vec<u8>,
-        scales: Vec<u8>,
-        biases: Vec<u8>,
-        bits: u32,
-        group: usize,
-        rows: usize,
-        ty: FloatType,
-    }
-    let half = |v: f32, ty: FloatType| match ty {
-        FloatType::F16 => half::f16::from_f32(v).to_bits().to_le_bytes(),
-        _ => half::bf16::from_f32(v).to_bits().to_le_bytes(),
-    };
-    let mut owned: Vec<Owned> = Vec::new();
-    for &(bits, group, rows, ty) in &[
+    let owned: Vec<RandomQuant> = [
         (4u32, 64usize, 300usize, FloatType::BF16),
         (4, 32, 37, FloatType::F16),
         (8, 64, 5, FloatType::BF16),
         (8, 128, 64, FloatType::F16),
         (4, 64, 1, FloatType::BF16),
-    ] {
-        let gpr = cols / group;
-        let codes: Vec<u32> = (0..rows * cols).map(|_| rng.gen_range(0..(1u32 << bits))).collect();
-        owned.push(Owned {
-            packed: pack_codes(bits, &codes),
-            scales: (0..rows * gpr)
-                .flat_map(|_| half(rng.gen_range(-0.1f32..0.1), ty))
-                .collect(),
-            biases: (0..rows * gpr)
-                .flat_map(|_| half(rng.gen_range(-1f32..1.0), ty))
-                .collect(),
-            bits,
-            group,
-            rows,
-            ty,
-        });
-    }
+    ]
+    .iter()
+    .map(|&(bits, group, rows, ty)| RandomQuant::new(&mut rng, (bits, group, rows, cols), ty))
+    .collect();
     let dense: Vec<u8> = (0..9 * cols)
-        .flat_map(|_| half(rng.gen_range(-0.5f32..0.5), FloatType::BF16))
+        .flat_map(|_| half_bytes(rng.gen_range(-0.5f32..0.5), FloatType::BF16))
         .collect();
-    let mut mats: Vec<MatRef<'_>> = owned
-        .iter()
-        .map(|o| {
-            MatRef::Quant(QuantMatrix {
-                packed: &o.packed,
-                scales: &o.scales,
-                biases: &o.biases,
-                scale_type: o.ty,
-                bits: o.bits,
-                group: o.group,
-                rows: o.rows,
-                cols,
-            })
-        })
-        .collect();
+    let mut mats: Vec<MatRef<'_>> = owned.iter().map(|o| MatRef::Quant(o.view())).collect();
     mats.insert(
         2,
         MatRef::Dense(DenseMatrix {
@@ -174,20 +216,12 @@ pub fn assert_matmul_many_equals_each_alone() {
             cols,
         }),
     );
-    // The first matrix again, tiled (the layout resident 4-bit matrices take under the int8 kernels), in
-    // panels of one tile and of four.
-    let MatRef::Quant(first) = mats[0] else { unreachable!() };
-    let panels = [1, sluice_runtime::cpu::tiled::PASS_TILES];
-    let tiles = panels.map(|p| sluice_runtime::cpu::tiled::tile(&first, p).expect("4-bit g64 tiles"));
+    // The first matrix again, tiled, in panels of one tile and of four.
+    let first = owned[0].view();
+    let panels = [1, tiled::PASS_TILES];
+    let tiles = panels.map(|p| tiled::tile(&first, p).expect("4-bit g64 tiles"));
     for (tiles, panel) in tiles.iter().zip(panels) {
-        mats.push(MatRef::Tiled(sluice_runtime::cpu::TiledMatrix {
-            data: tiles,
-            scale_type: first.scale_type,
-            group: first.group,
-            rows: first.rows,
-            cols,
-            panel,
-        }));
+        mats.push(tiled_view(&first, tiles, panel));
     }
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     for isa in Isa::available() {
@@ -217,48 +251,16 @@ pub fn assert_matmul_many_equals_each_alone() {
 #[allow(dead_code)] // not every test binary uses it
 pub fn assert_long_prompts_equal_their_tokens_alone() {
     use rand::{Rng, SeedableRng};
-    use sluice_runtime::cpu::{matmul_many, pack_codes, tiled, token_block, FloatType, Isa, MatRef, QuantMatrix};
+    use sluice_runtime::cpu::{matmul_many, tiled, token_block, FloatType, Isa, MatRef};
     let mut rng = rand::rngs::StdRng::seed_from_u64(5);
     let (cols, group) = (4096, 64);
-    let gpr = cols / group;
-    let bf16 = |v: f32| half::bf16::from_f32(v).to_bits().to_le_bytes();
-    let owned: Vec<Owned> = [(4u32, 64usize), (8, 5)]
-        .iter()
-        .map(|&(bits, rows)| {
-            let codes: Vec<u32> = (0..rows * cols).map(|_| rng.gen_range(0..(1u32 << bits))).collect();
-            let scales = (0..rows * gpr)
-                .flat_map(|_| bf16(rng.gen_range(-0.1f32..0.1)))
-                .collect();
-            let biases = (0..rows * gpr).flat_map(|_| bf16(rng.gen_range(-1f32..1.0))).collect();
-            (bits, rows, pack_codes(bits, &codes), scales, biases)
-        })
-        .collect();
-    type Owned = (u32, usize, Vec<u8>, Vec<u8>, Vec<u8>);
-    fn quant((bits, rows, packed, scales, biases): &Owned, group: usize, cols: usize) -> QuantMatrix<'_> {
-        QuantMatrix {
-            packed,
-            scales,
-            biases,
-            scale_type: FloatType::BF16,
-            bits: *bits,
-            group,
-            rows: *rows,
-            cols,
-        }
-    }
-    let four = quant(&owned[0], group, cols);
-    let tiles = tiled::tile(&four, tiled::PASS_TILES).expect("4-bit g64 tiles");
+    let four = RandomQuant::new(&mut rng, (4, group, 64, cols), FloatType::BF16);
+    let eight = RandomQuant::new(&mut rng, (8, group, 5, cols), FloatType::BF16);
+    let tiles = tiled::tile(&four.view(), tiled::PASS_TILES).expect("4-bit g64 tiles");
     let mats = [
-        MatRef::Quant(four),
-        MatRef::Quant(quant(&owned[1], group, cols)),
-        MatRef::Tiled(sluice_runtime::cpu::TiledMatrix {
-            data: &tiles,
-            scale_type: FloatType::BF16,
-            group,
-            rows: four.rows,
-            cols,
-            panel: tiled::PASS_TILES,
-        }),
+        MatRef::Quant(four.view()),
+        MatRef::Quant(eight.view()),
+        tiled_view(&four.view(), &tiles, tiled::PASS_TILES),
     ];
     // Two whole blocks and a short one.
     let n = 2 * token_block(cols) + 5;
