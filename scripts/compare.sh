@@ -148,6 +148,13 @@ if w and dram and preset == "medium":
         if n.startswith("decode"):
             lines.append(f"{n}: weights streamed ({w / 1e6:.1f} MB/token) llama.cpp {a * w / 1e9:.1f} GB/s = "
                          f"{a * w / 1e9 / dram:.0%} of the DRAM probe, sluice {b * w / 1e9:.1f} GB/s = {b * w / 1e9 / dram:.0%}")
+    # The host's memory speed can change between rounds (the probes above): each sluice run against the probe
+    # it took itself, right before its runs.
+    for j, n in enumerate(n for n in per_round if n.startswith("decode")):
+        shares = [(b * w / 1e9, run.get("dram_probe_gb_s") or 0)
+                  for (_, b), run in zip(per_round[n], sluice_runs[j::2])]
+        lines.append(f"{n}: sluice's weight rate per round against its own run's probe: "
+                     + ", ".join(f"{g:.1f} of {p:.1f} GB/s = {g / p:.0%}" for g, p in shares if p))
 if sl.get("slots_backed_seconds") is not None:
     lines.append(f"sluice load {sl['load_seconds']:.1f} s, then {sl['slots_backed_seconds']:.1f} s until its expert slots were "
                  f"backed with memory (the runs start after both; llama.cpp's page cache is backed during its runs)")
