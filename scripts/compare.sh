@@ -150,11 +150,12 @@ if w and dram and preset == "medium":
                          f"{a * w / 1e9 / dram:.0%} of the DRAM probe, sluice {b * w / 1e9:.1f} GB/s = {b * w / 1e9 / dram:.0%}")
     # The host's memory speed can change between rounds (the probes above): each sluice run against the probe
     # it took itself, right before its runs.
-    for j, n in enumerate(n for n in per_round if n.startswith("decode")):
-        shares = [(b * w / 1e9, run.get("dram_probe_gb_s") or 0)
-                  for (_, b), run in zip(per_round[n], sluice_runs[j::2])]
+    # sluice_runs holds each round's short-prompt run, then its 512-deep run.
+    for n, first in [("decode tok/s (short prompt)", 0), ("decode tok/s, 512 tokens deep", 1)]:
+        shares = [(b * w / 1e9, run.get("dram_probe_gb_s")) for (_, b), run in zip(per_round[n], sluice_runs[first::2])]
         lines.append(f"{n}: sluice's weight rate per round against its own run's probe: "
-                     + ", ".join(f"{g:.1f} of {p:.1f} GB/s = {g / p:.0%}" for g, p in shares if p))
+                     + ", ".join(f"{g:.1f} of {p:.1f} GB/s = {g / p:.0%}" if p else f"{g:.1f} GB/s (no probe)"
+                                 for g, p in shares))
 if sl.get("slots_backed_seconds") is not None:
     lines.append(f"sluice load {sl['load_seconds']:.1f} s, then {sl['slots_backed_seconds']:.1f} s until its expert slots were "
                  f"backed with memory (the runs start after both; llama.cpp's page cache is backed during its runs)")
