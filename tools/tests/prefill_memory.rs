@@ -9,7 +9,6 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
 use sluice_runtime::config::ModelConfig;
-use sluice_runtime::forecast::size_from_config;
 use sluice_runtime::{load_model_with, BackendKind, ExpertMode, ExpertOptions, ForwardOptions};
 
 /// The system allocator, counting the bytes live and their peak.
@@ -93,11 +92,9 @@ fn a_prefill_pass_allocates_within_its_budget_line() {
             backend: BackendKind::Cpu,
             ..ExpertOptions::default()
         };
-        let config = ModelConfig::load(&dir).unwrap();
-        let footprint = size_from_config(&config, None, opts.kv_element_bytes())
-            .unwrap()
-            .footprint;
-        let model = load_model_with(&dir, config, &opts).unwrap();
+        let model = load_model_with(&dir, ModelConfig::load(&dir).unwrap(), &opts).unwrap();
+        // The footprint the plan was made from: activation and KV bytes per token.
+        let footprint = model.memory_plan.model;
         let (n, line) = (
             model.memory_plan.prefill_chunk,
             model.memory_plan.prefill_activations as usize,
