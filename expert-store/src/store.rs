@@ -164,6 +164,13 @@ impl PackedStore {
             if !l.record_len.is_multiple_of(manifest.record_align) {
                 return Err(at(format!("record length {} is not aligned", l.record_len)));
             }
+            // Bounded by the data file even when the layer lists no records: a reader sizes buffers by it.
+            if l.record_len > manifest.data_len {
+                return Err(at(format!(
+                    "record length {} exceeds the data file's {} bytes",
+                    l.record_len, manifest.data_len
+                )));
+            }
             for p in &l.parts {
                 if p.offset.checked_add(p.len).is_none_or(|end| end > l.record_len) {
                     return Err(at(format!("part `{}` lies outside the record", p.tensor)));

@@ -21,6 +21,9 @@ pub struct ModelConfig {
     pub model_type: String,
 }
 
+/// More decoder layers than any model has (the largest today have under 200); a config saying more is corrupt.
+pub const MAX_LAYERS: u64 = 1 << 16;
+
 impl ModelConfig {
     /// Reads `dir/config.json`.
     pub fn load(dir: &Path) -> Result<Self> {
@@ -63,6 +66,15 @@ impl ModelConfig {
             .or_else(|| root.get("model_type").and_then(Value::as_str))
             .ok_or_else(|| bad("missing `model_type`".into()))?
             .to_string();
+        // Checked before any architecture builds a list per layer: a corrupt count would be one allocation too
+        // large to make, which aborts the process instead of failing the load.
+        if let Some(n) = text
+            .get("num_hidden_layers")
+            .and_then(Value::as_u64)
+            .filter(|&n| n > MAX_LAYERS)
+        {
+            return Err(bad(format!("num_hidden_layers {n} is more than {MAX_LAYERS}")));
+        }
         let quant_block = root.get("quantization").or_else(|| root.get("quantization_config"));
         let quant = QuantConfig::parse(quant_block).map_err(bad)?;
         Ok(Self {
@@ -182,5 +194,12 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("model_type"), "{e}");
+        let e = ModelConfig::parse(
+            Path::new("/m/config.json"),
+            r#"{"model_type":"qwen3_moe","num_hidden_layers":100000000000}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("num_hidden_layers 100000000000"), "{e}");
     }
 }

@@ -46,7 +46,7 @@ pub enum ModelError {
     /// A tokenizer or chat-template problem.
     #[error("{0}")]
     Tokenizer(String),
-    /// Input beyond a limit (context length, vocabulary).
+    /// Input beyond the context limit.
     #[error("{0}")]
     Limit(String),
     /// A bad request parameter.

@@ -43,7 +43,7 @@ impl DeltaShape {
     }
     /// Floats of recurrent state per layer (`S` plus the conv history).
     pub fn state_floats(&self) -> usize {
-        self.v_heads * self.v_dim * self.k_dim + (self.kernel - 1) * self.conv_dim()
+        self.v_heads * self.v_dim * self.k_dim + self.kernel.saturating_sub(1) * self.conv_dim()
     }
 }
 
@@ -328,6 +328,19 @@ mod tests {
             assert_eq!(step(&mut one, t..t + 1), got[t * hidden..(t + 1) * hidden]);
         }
         assert_eq!(one.ssm.len(), s.v_heads * s.v_dim * s.k_dim);
+    }
+
+    #[test]
+    fn a_zero_conv_kernel_sizes_its_state_without_overflow() {
+        // A config's `linear_conv_kernel_dim: 0` is sized (memory plan, doctor) before loading rejects it.
+        let s = DeltaShape {
+            k_heads: 2,
+            v_heads: 4,
+            k_dim: 8,
+            v_dim: 8,
+            kernel: 0,
+        };
+        assert_eq!(s.state_floats(), 4 * 8 * 8);
     }
 
     #[test]

@@ -171,7 +171,8 @@ impl<B: Backend> Model<B> {
             )));
         }
         if let Some(id) = tokens.iter().find(|&&id| id as usize >= info.vocab_size) {
-            return Err(ModelError::Limit(format!(
+            // A bad argument, not a limit: a server answers it as a bad prompt, not as a context overflow.
+            return Err(ModelError::InvalidArgument(format!(
                 "token id {id} is outside the vocabulary of {}",
                 info.vocab_size
             )));
@@ -512,6 +513,12 @@ pub struct DecoderModel {
 }
 
 impl DecoderModel {
+    /// The longest sequence a request may reach: the context the memory plan's KV budget covers, at most the
+    /// model's own (a longer one would grow the KV cache into the room planned for experts).
+    pub fn context_limit(&self) -> usize {
+        self.memory_plan.kv_tokens.min(self.info.context_length)
+    }
+
     /// A fresh state for one sequence.
     pub fn new_cache(&self) -> KvCache {
         self.runner.new_cache()

@@ -98,6 +98,18 @@ thread_local! {
 impl Rope {
     /// Builds the frequency table for `dims` rotated dims, `theta`, and optional HF-style scaling.
     pub fn new(dims: usize, theta: f64, traditional: bool, scaling: Option<&RopeScaling>) -> Result<Self> {
+        // Checked here, where they are used: a theta of 1 or less, or a zero or negative factor, gives infinite or
+        // NaN frequencies, and then every logit is NaN, with no error.
+        if !(theta.is_finite() && theta > 1.0) {
+            return Err(ModelError::InvalidArgument(format!(
+                "rope_theta must be finite and > 1, got {theta}"
+            )));
+        }
+        if let Some(f) = scaling.and_then(|s| s.factor).filter(|f| !(f.is_finite() && *f > 0.0)) {
+            return Err(ModelError::InvalidArgument(format!(
+                "rope_scaling factor must be finite and > 0, got {f}"
+            )));
+        }
         let half = dims / 2;
         let base: Vec<f64> = (0..half).map(|i| theta.powf(-2.0 * i as f64 / dims as f64)).collect();
         let kind = scaling.and_then(|s| s.rope_type.as_deref()).unwrap_or("default");
@@ -109,6 +121,12 @@ impl Rope {
                 let s = scaling.expect("kind came from scaling");
                 let orig = s.original_max_position_embeddings.unwrap_or(4096.0);
                 let (bf, bs) = (s.beta_fast.unwrap_or(32.0), s.beta_slow.unwrap_or(1.0));
+                if ![orig, bf, bs].iter().all(|v| v.is_finite() && *v > 0.0) {
+                    return Err(ModelError::InvalidArgument(format!(
+                        "yarn rope_scaling needs original_max_position_embeddings, beta_fast and beta_slow finite and \
+                         > 0, got {orig}, {bf}, {bs}"
+                    )));
+                }
                 let corr =
                     |beta: f64| dims as f64 * (orig / (beta * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln());
                 let (mut low, mut high) = (corr(bf), corr(bs));
@@ -342,6 +360,30 @@ mod tests {
             })
         )
         .is_err());
+    }
+
+    #[test]
+    fn rope_settings_that_give_nan_frequencies_are_errors() {
+        let scaled = |kind: &str, factor: f64, beta_fast: f64| RopeScaling {
+            rope_type: Some(kind.into()),
+            factor: Some(factor),
+            beta_fast: Some(beta_fast),
+            ..Default::default()
+        };
+        for theta in [1.0, 0.0, -1e4, f64::NAN, f64::INFINITY] {
+            assert!(Rope::new(4, theta, false, None).is_err(), "theta {theta}");
+        }
+        for bad in [
+            scaled("linear", 0.0, 32.0),
+            scaled("yarn", -2.0, 32.0),
+            scaled("yarn", 4.0, 0.0),
+        ] {
+            assert!(Rope::new(4, 1e4, false, Some(&bad)).is_err(), "{bad:?}");
+        }
+        for good in [scaled("linear", 2.0, 32.0), scaled("yarn", 4.0, 32.0)] {
+            let r = Rope::new(4, 1e4, false, Some(&good)).unwrap();
+            assert!(r.inv_freq.iter().all(|f| f.is_finite() && *f > 0.0), "{good:?}");
+        }
     }
 
     fn caches(ty: KvType, kv: &[f32], kv_heads: usize, hd: usize) -> Vec<KvHead> {

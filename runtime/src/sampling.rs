@@ -113,11 +113,13 @@ impl Sampler {
             seen.dedup();
             for t in seen {
                 if let Some(v) = l.get_mut(t as usize) {
+                    // Kept finite: a tiny penalty would overflow a logit to ±inf, and inf − inf is NaN below.
                     *v = if *v > 0.0 {
                         *v / p.repetition_penalty
                     } else {
                         *v * p.repetition_penalty
-                    };
+                    }
+                    .clamp(f32::MIN, f32::MAX);
                 }
             }
         }
@@ -135,11 +137,14 @@ impl Sampler {
         if p.temperature == 0.0 {
             return argmax(&l);
         }
-        // Temperature first, then the filters (as Hugging Face transformers and vLLM order them).
+        // Temperature first, then the filters (as Hugging Face transformers and vLLM order them). The largest
+        // logit comes off before the division: a tiny temperature would otherwise overflow the logits to ±inf,
+        // every probability would be NaN and the draw would fall through to the least likely candidate.
+        let top = l.iter().copied().fold(f32::MIN, f32::max);
         let mut cand: Vec<(u32, f32)> = l
             .iter()
             .enumerate()
-            .map(|(i, &v)| (i as u32, v / p.temperature))
+            .map(|(i, &v)| (i as u32, (v - top) / p.temperature))
             .collect();
         cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         if p.top_k > 0 {
@@ -256,6 +261,24 @@ mod tests {
         let mut s = sampler(p);
         let ones = (0..4000).filter(|_| s.sample(&logits, &[], &[]) == 1).count();
         assert!((2800..3200).contains(&ones), "{ones}");
+    }
+
+    #[test]
+    fn extreme_temperatures_and_penalties_still_draw_from_the_distribution() {
+        let logits = [0.5f32, 2.0, 1.9, -1.0];
+        // So small a temperature overflows the logits divided by it: in effect greedy, not the least likely token.
+        let mut s = sampler(SamplingParams {
+            temperature: 1e-40,
+            ..Default::default()
+        });
+        assert!((0..50).all(|_| s.sample(&logits, &[], &[]) == 1));
+        // So small a penalty overflows a seen token's positive logit: that token wins, instead of NaN everywhere.
+        let mut s = sampler(SamplingParams {
+            temperature: 1.0,
+            repetition_penalty: 1e-45,
+            ..Default::default()
+        });
+        assert!((0..50).all(|_| s.sample(&logits, &[0, 3], &[]) == 0));
     }
 
     #[test]

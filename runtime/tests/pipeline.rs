@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use sluice_runtime::{ChatMessage, FinishReason, GenerateParams, ModelError, Pipeline, Prompt};
+use sluice_runtime::{ChatMessage, ExpertOptions, FinishReason, GenerateParams, ModelError, Pipeline, Prompt};
 
 #[derive(serde::Deserialize)]
 struct Golden {
@@ -322,6 +322,43 @@ fn prompt_longer_than_the_context_is_a_clear_error_and_context_end_finishes() {
 }
 
 #[test]
+fn the_context_limit_is_the_one_the_kv_budget_is_planned_for() {
+    let dir = fixture("qwen3_moe-q4g64");
+    let g = golden(&dir);
+    // With no limit asked for, the plan's: the model's own context, at most 32768 tokens.
+    let p = Pipeline::load(&dir).unwrap();
+    let plan = p.model.memory_plan.kv_tokens;
+    assert_eq!(p.model.context_limit(), plan.min(p.model.info.context_length));
+    // A plan for 20 tokens refuses a longer prompt without any limit in the request (a request may otherwise
+    // grow the KV cache past its budget, into the room planned for the experts).
+    let opts = ExpertOptions {
+        context: Some(20),
+        ..Default::default()
+    };
+    let p = Pipeline::load_with(&dir, &opts).unwrap();
+    assert_eq!(p.model.context_limit(), 20);
+    let e = p
+        .generate(&Prompt::Raw(g.prompt.clone()), &GenerateParams::default(), |_| true)
+        .unwrap_err();
+    assert!(matches!(e, ModelError::Limit(_)), "{e}");
+    assert!(e.to_string().contains("context limit is 20"), "{e}");
+    // And a plan for 40 ends a generation at 40 positions, as an explicit limit of 40 does.
+    let opts = ExpertOptions {
+        context: Some(40),
+        ..Default::default()
+    };
+    let p = Pipeline::load_with(&dir, &opts).unwrap();
+    let params = GenerateParams {
+        max_tokens: 100,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let (_, stats) = run(&p, &Prompt::Raw(g.prompt.clone()), &params);
+    assert_eq!(stats.finish, FinishReason::Length);
+    assert_eq!(stats.tokens, g.greedy[..3]);
+}
+
+#[test]
 fn expert_top_k_out_of_range_and_empty_prompt_are_errors() {
     let p = Pipeline::load(&fixture("mixtral-q4g64")).unwrap();
     for k in [0, 5] {
@@ -342,5 +379,6 @@ fn expert_top_k_out_of_range_and_empty_prompt_are_errors() {
     let e = p
         .generate(&Prompt::Tokens(vec![9999]), &GenerateParams::default(), |_| true)
         .unwrap_err();
+    assert!(matches!(e, ModelError::InvalidArgument(_)), "{e}");
     assert!(e.to_string().contains("outside the vocabulary"), "{e}");
 }

@@ -377,8 +377,20 @@ fn corrupt_stores_are_clear_errors() {
         "{err}"
     );
 
-    // Garbage manifest and unknown version.
+    // A layer that lists no records, with a record length no file holds: refused at open, before `inspect
+    // --verify` would size a buffer by it.
     m["model_dir"] = serde_json::Value::String(dir.canonicalize().unwrap().display().to_string());
+    let mut huge = m.clone();
+    huge["layers"][0]["records"] = serde_json::json!([]);
+    huge["layers"][0]["record_len"] = (1u64 << 60).into();
+    std::fs::write(&mpath, serde_json::to_string(&huge).unwrap()).unwrap();
+    let err = PackedStore::open(&store_dir).err().unwrap().to_string();
+    assert!(
+        err.contains("layer 0") && err.contains("exceeds the data file"),
+        "{err}"
+    );
+
+    // Garbage manifest and unknown version.
     m["version"] = 99.into();
     std::fs::write(&mpath, serde_json::to_string(&m).unwrap()).unwrap();
     let err = Pipeline::load_with(&store_dir, &all).err().unwrap().to_string();

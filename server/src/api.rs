@@ -38,7 +38,7 @@ pub struct Loaded {
     pub metrics: Arc<Metrics>,
     /// Experts per token the server runs (requests may lower it).
     pub top_k: usize,
-    /// Context limit in tokens.
+    /// Context limit in tokens (the one the memory plan's KV budget covers).
     pub context_length: usize,
 }
 
@@ -184,6 +184,14 @@ struct Common {
     n: Option<i64>,
     tools: Option<Value>,
     response_format: Option<Value>,
+    // OpenAI fields sluice does not implement: asked for, they get a 400 (`Common::reject_unsupported`).
+    logprobs: Option<Value>,
+    top_logprobs: Option<Value>,
+    logit_bias: Option<Value>,
+    echo: Option<Value>,
+    suffix: Option<Value>,
+    best_of: Option<Value>,
+    tool_choice: Option<Value>,
     /// sluice extension: experts per token for this request (at most the server's `--top-k`).
     expert_top_k: Option<i64>,
     /// Extension (as in vLLM): keep generating past end-of-sequence tokens.
@@ -222,6 +230,29 @@ fn now() -> u64 {
 }
 
 impl Common {
+    /// A 400 for a field of OpenAI's API that sluice does not implement, when a request asks for it (its
+    /// "off" values pass: clients send them by default), instead of a reply that silently lacks it.
+    fn reject_unsupported(&self) -> Result<(), ApiError> {
+        let asked =
+            |v: &Option<Value>, off: &dyn Fn(&Value) -> bool| v.as_ref().is_some_and(|v| !(v.is_null() || off(v)));
+        let fields: [(&'static str, bool); 7] = [
+            ("logprobs", asked(&self.logprobs, &|v| v == &Value::Bool(false))),
+            ("top_logprobs", asked(&self.top_logprobs, &|v| v.as_i64() == Some(0))),
+            (
+                "logit_bias",
+                asked(&self.logit_bias, &|v| v.as_object().is_some_and(|o| o.is_empty())),
+            ),
+            ("echo", asked(&self.echo, &|v| v == &Value::Bool(false))),
+            ("suffix", asked(&self.suffix, &|v| v.as_str() == Some(""))),
+            ("best_of", asked(&self.best_of, &|v| v.as_i64() == Some(1))),
+            ("tool_choice", asked(&self.tool_choice, &|v| v.as_str() == Some("none"))),
+        ];
+        match fields.into_iter().find(|&(_, asked)| asked) {
+            Some((field, _)) => Err(ApiError::bad(format!("{field} is not supported yet"), Some(field))),
+            None => Ok(()),
+        }
+    }
+
     /// Checks the fields and builds generation settings.
     fn params(&self, st: &AppState, l: &Loaded) -> Result<GenerateParams, ApiError> {
         if let Some(m) = &self.model {
@@ -238,6 +269,7 @@ impl Common {
         if self.n.is_some_and(|n| n != 1) {
             return Err(ApiError::bad("n > 1 is not supported yet", Some("n")));
         }
+        self.reject_unsupported()?;
         if self.tools.as_ref().is_some_and(|t| !t.is_null()) {
             return Err(ApiError::bad("tools are not supported yet", Some("tools")));
         }

@@ -80,7 +80,8 @@ pub async fn serve(
             "--top-k {top_k} must be between 1 and the model's {experts} experts"
         )));
     }
-    let context_length = pipeline.model.info.context_length;
+    // The plan's, not the model's: KV beyond what the plan budgets would take the experts' room.
+    let context_length = pipeline.model.context_limit();
     // The slot memory the engine really holds (resident or streamed); 0 when experts are mmap'd.
     let m = &pipeline.model;
     let cache_bytes = m.expert_slots().unwrap_or(0) as u64 * m.expert_slot_len().unwrap_or(0) as u64;

@@ -98,7 +98,8 @@ struct GenerateArgs {
     /// Stop when this text appears (repeatable); it is not printed.
     #[arg(long)]
     stop: Vec<String>,
-    /// Lower the context limit (default: the model's max_position_embeddings).
+    /// Context limit in tokens, prompt and completion together; the KV budget is planned for it (default: the
+    /// model's max_position_embeddings, at most 32768).
     #[arg(short = 'c', long, env = "SLUICE_CTX_SIZE")]
     ctx_size: Option<usize>,
     #[command(flatten)]

@@ -35,6 +35,10 @@ pub struct ServeArgs {
     /// Compute threads (default: all cores).
     #[arg(short = 't', long, env = "SLUICE_THREADS")]
     threads: Option<usize>,
+    /// Context limit in tokens, prompt and completion together; the KV budget is planned for it (default: the
+    /// model's max_position_embeddings, at most 32768).
+    #[arg(short = 'c', long, env = "SLUICE_CTX_SIZE")]
+    ctx_size: Option<usize>,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -45,7 +49,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
     if a.max_queue == 0 {
         bail!("--max-queue must be at least 1");
     }
-    let opts = a.engine.options()?;
+    let mut opts = a.engine.options()?;
+    opts.context = a.ctx_size;
     let addr: SocketAddr = format!("{}:{}", a.host, a.port)
         .parse()
         .with_context(|| format!("bad --host/--port `{}:{}`", a.host, a.port))?;

@@ -322,6 +322,30 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
             400,
             "temperature",
         ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 2}).to_string(),
+            400,
+            "logprobs is not supported",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "logit_bias": {"5": -100}}).to_string(),
+            400,
+            "logit_bias is not supported",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [999_999]}).to_string(),
+            400,
+            "outside the vocabulary",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "echo": true}).to_string(),
+            400,
+            "echo is not supported",
+        ),
         ("/v1/completions", "x".repeat(5 << 20), 413, "exceeds"),
         ("/v1/nothing", "{}".into(), 404, "no such endpoint"),
     ];
@@ -338,6 +362,46 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
     }
     let (st, _) = post(&s, "/v1/completions", &json!({"prompt": "still here", "max_tokens": 2}));
     assert_eq!(st, 200);
+    // Those fields' "off" values, which clients send by default, pass.
+    let off = json!({"prompt": "x", "max_tokens": 2, "logprobs": false, "top_logprobs": null, "logit_bias": {},
+        "echo": false, "best_of": 1, "tool_choice": "none"});
+    let (st, v) = post(&s, "/v1/completions", &off);
+    assert_eq!(st, 200, "{v}");
+    // A token id outside the vocabulary is a bad prompt, not a context overflow.
+    let (_, v) = post(&s, "/v1/completions", &json!({"prompt": [999_999]}));
+    assert_eq!(v["error"]["param"], Value::Null, "{v}");
+    assert_ne!(v["error"]["code"], "context_length_exceeded", "{v}");
+}
+
+#[test]
+fn the_context_limit_is_the_one_the_kv_budget_is_planned_for() {
+    // `--ctx-size` plans the KV budget for 48 tokens; requests are held to it, not to the model's context.
+    let s = start(&["--ctx-size", "48"]);
+    let (st, v) = post(&s, "/v1/completions", &json!({"prompt": "x", "max_tokens": 100}));
+    assert_eq!(st, 400, "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("context length 48"),
+        "{v}"
+    );
+    let long = "word ".repeat(60);
+    let (st, v) = post(&s, "/v1/completions", &json!({"prompt": long, "max_tokens": 2}));
+    assert_eq!(st, 400, "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("context limit is 48"),
+        "{v}"
+    );
+    // A completion that reaches the limit ends there: once 48 positions are filled, the token sampled from the
+    // last is the last one (as in the library's own test).
+    let (st, v) = post(
+        &s,
+        "/v1/completions",
+        &json!({"prompt": "word ".repeat(3), "max_tokens": 45, "ignore_eos": true}),
+    );
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt > 4, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"].as_u64().unwrap(), 49 - prompt, "{v}");
 }
 
 #[test]
