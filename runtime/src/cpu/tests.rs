@@ -887,6 +887,16 @@ fn dram_probe_patterns_read_the_same_words() {
     assert!(p.one_stream > 0.0 && p.four_streams > 0.0 && p.best() == p.one_stream.max(p.four_streams));
 }
 
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn cpu_families_read_from_cpuid_signatures() {
+    // Real leaf-1 EAX values: Zen 4 (EPYC 9004), Zen 5 (EPYC 9005), and an Intel core (base family 6).
+    assert_eq!(x86::family_of(0x00A1_0F11), 25);
+    assert_eq!(x86::family_of(0x00B0_0F21), 26);
+    assert_eq!(x86::family_of(0x0008_06F8), 6);
+    assert!(AMD_ZEN5_FAMILY == 26 && x86::family_of(0x00B0_0F21) >= AMD_ZEN5_FAMILY);
+}
+
 #[test]
 fn decode_prefetch_follows_the_vendor_unless_overridden() {
     assert!(decode_prefetch_rule(true, None));

@@ -1266,6 +1266,29 @@ pub(super) fn q4_tiled_rows(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) 
     }
 }
 
+/// This CPU's family when its vendor string is AMD's ("AuthenticAMD"): `cpuid` leaf 1's base family, plus its
+/// extended family when the base is 0xF (as AMD documents it: Zen 4 is 25, Zen 5 is 26).
+pub(super) fn amd_family() -> Option<u32> {
+    // SAFETY: `cpuid` exists on every x86-64 CPU (the intrinsic is safe from Rust 1.94 on, unsafe before).
+    #[allow(unused_unsafe)]
+    let (vendor, leaf1) = unsafe { (__cpuid(0), __cpuid(1)) };
+    // "Auth" "enti" "cAMD" in EBX, EDX, ECX.
+    if [vendor.ebx, vendor.edx, vendor.ecx] != [0x6874_7541, 0x6974_6e65, 0x444d_4163] {
+        return None;
+    }
+    Some(family_of(leaf1.eax))
+}
+
+/// The displayed family in `cpuid` leaf 1's EAX: bits 8–11, plus bits 20–27 when those are 0xF.
+pub(super) fn family_of(eax: u32) -> u32 {
+    let base = (eax >> 8) & 0xf;
+    if base == 0xf {
+        base + ((eax >> 20) & 0xff)
+    } else {
+        base
+    }
+}
+
 /// Whether this CPU's vendor string (`cpuid` leaf 0) is Intel's.
 pub(super) fn intel_cpu() -> bool {
     // SAFETY: `cpuid` exists on every x86-64 CPU (the intrinsic is safe from Rust 1.94 on, unsafe before).
