@@ -49,6 +49,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
     if a.max_queue == 0 {
         bail!("--max-queue must be at least 1");
     }
+    if a.ctx_size == Some(0) {
+        bail!("--ctx-size must be at least 1");
+    }
     let mut opts = a.engine.options()?;
     opts.context = a.ctx_size;
     let addr: SocketAddr = format!("{}:{}", a.host, a.port)

@@ -579,6 +579,7 @@ fn bad_server_flags_fail_at_start() {
     for (flags, want) in [
         (&["--top-k", "99"][..], "--top-k 99"),
         (&["--max-queue", "0"][..], "--max-queue"),
+        (&["--ctx-size", "0"][..], "--ctx-size"),
     ] {
         let mut args = vec!["serve", "-m", dir.to_str().unwrap(), "--port", "0"];
         args.extend_from_slice(flags);
