@@ -115,10 +115,13 @@ impl<B: Backend> GatedDeltaNet<B> {
     /// projection names, and the conv weight may be MLX `[C, K, 1]` or PyTorch `[C, 1, K]` (same bytes).
     pub fn load(be: &B, w: &Weights, prefix: &str, hidden: usize, shape: DeltaShape, eps: f32) -> Result<Self> {
         let s = shape;
-        if s.k_heads == 0 || s.v_heads == 0 || !s.v_heads.is_multiple_of(s.k_heads) || s.kernel == 0 {
+        if s.kernel == 0 {
+            return Err(w.config().error("linear_conv_kernel_dim must be at least 1"));
+        }
+        if s.k_heads == 0 || s.v_heads == 0 || !s.v_heads.is_multiple_of(s.k_heads) {
             return Err(w.config().error(format!(
-                "linear_num_value_heads {} must be a non-zero multiple of linear_num_key_heads {} (kernel {})",
-                s.v_heads, s.k_heads, s.kernel
+                "linear_num_value_heads {} must be a non-zero multiple of linear_num_key_heads {}",
+                s.v_heads, s.k_heads
             )));
         }
         let p = |n: &str| format!("{prefix}.{n}");

@@ -37,8 +37,8 @@ pub struct GenerateParams {
     pub expert_top_k: Option<usize>,
     /// Keep going past end-of-sequence tokens.
     pub ignore_eos: bool,
-    /// The context limit, at most the model's (`None`: the one the memory plan's KV budget covers,
-    /// [`DecoderModel::context_limit`](crate::DecoderModel::context_limit)).
+    /// Lower the context limit (`None`: the one the memory plan's KV budget covers,
+    /// [`DecoderModel::context_limit`](crate::DecoderModel::context_limit), which also caps it).
     pub context_limit: Option<usize>,
     /// Prompt tokens per forward pass during prefill (`None`: the memory plan's, which budgets its
     /// activations; a longer one should be planned too, through `ExpertOptions::prefill_chunk`). Bounds
@@ -133,7 +133,7 @@ impl Pipeline {
         mut on_text: impl FnMut(&str) -> bool,
     ) -> Result<GenerationStats> {
         let ids = self.tokenize(prompt)?;
-        let ctx = (params.context_limit).map_or(self.model.context_limit(), |c| c.min(self.model.info.context_length));
+        let ctx = (params.context_limit).map_or(self.model.context_limit(), |c| c.min(self.model.context_limit()));
         if ids.is_empty() {
             return Err(ModelError::InvalidArgument("the prompt is empty (no tokens)".into()));
         }

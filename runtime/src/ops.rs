@@ -98,8 +98,9 @@ thread_local! {
 impl Rope {
     /// Builds the frequency table for `dims` rotated dims, `theta`, and optional HF-style scaling.
     pub fn new(dims: usize, theta: f64, traditional: bool, scaling: Option<&RopeScaling>) -> Result<Self> {
-        // Checked here, where they are used: a theta of 1 or less, or a zero or negative factor, gives infinite or
-        // NaN frequencies, and then every logit is NaN, with no error.
+        // Checked here, where they are used: a theta of 0 or less or not finite, a zero or negative factor, or yarn
+        // with theta 1 (its ln θ divides) gives infinite or NaN frequencies, and then every logit is NaN, with no
+        // error. No model rotates with a theta of 1 or less, so those are refused too.
         if !(theta.is_finite() && theta > 1.0) {
             return Err(ModelError::InvalidArgument(format!(
                 "rope_theta must be finite and > 1, got {theta}"

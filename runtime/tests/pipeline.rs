@@ -325,10 +325,9 @@ fn prompt_longer_than_the_context_is_a_clear_error_and_context_end_finishes() {
 fn the_context_limit_is_the_one_the_kv_budget_is_planned_for() {
     let dir = fixture("qwen3_moe-q4g64");
     let g = golden(&dir);
-    // With no limit asked for, the plan's: the model's own context, at most 32768 tokens.
+    // With no limit asked for, the plan's: the model's own context (512 here), at most 32768 tokens.
     let p = Pipeline::load(&dir).unwrap();
-    let plan = p.model.memory_plan.kv_tokens;
-    assert_eq!(p.model.context_limit(), plan.min(p.model.info.context_length));
+    assert_eq!((p.model.context_limit(), p.model.memory_plan.kv_tokens), (512, 512));
     // A plan for 20 tokens refuses a longer prompt without any limit in the request (a request may otherwise
     // grow the KV cache past its budget, into the room planned for the experts).
     let opts = ExpertOptions {

@@ -245,7 +245,11 @@ impl Common {
             ("echo", asked(&self.echo, &|v| v == &Value::Bool(false))),
             ("suffix", asked(&self.suffix, &|v| v.as_str() == Some(""))),
             ("best_of", asked(&self.best_of, &|v| v.as_i64() == Some(1))),
-            ("tool_choice", asked(&self.tool_choice, &|v| v.as_str() == Some("none"))),
+            // Tools themselves are refused above, so "auto" has none to choose from.
+            (
+                "tool_choice",
+                asked(&self.tool_choice, &|v| matches!(v.as_str(), Some("none" | "auto"))),
+            ),
         ];
         match fields.into_iter().find(|&(_, asked)| asked) {
             Some((field, _)) => Err(ApiError::bad(format!("{field} is not supported yet"), Some(field))),
@@ -281,7 +285,8 @@ impl Common {
                 ));
             }
         }
-        let max = self.max_completion_tokens.or(self.max_tokens).unwrap_or(256);
+        // The default fits a small --ctx-size: a request that leaves max_tokens out is not refused for it.
+        let max = (self.max_completion_tokens.or(self.max_tokens)).unwrap_or(256.min(l.context_length as i64));
         if max < 1 || max as u64 > l.context_length as u64 {
             return Err(ApiError::bad(
                 format!(

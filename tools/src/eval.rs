@@ -131,7 +131,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
             let n = a
                 .decode_tokens
                 .min(ids.len() - prompt)
-                .min(m.info.context_length - prompt);
+                .min(m.context_limit().saturating_sub(prompt));
             if n == 0 {
                 bail!("the text is too short to measure decode speed; pass --decode-tokens 0");
             }

@@ -364,7 +364,7 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
     assert_eq!(st, 200);
     // Those fields' "off" values, which clients send by default, pass.
     let off = json!({"prompt": "x", "max_tokens": 2, "logprobs": false, "top_logprobs": null, "logit_bias": {},
-        "echo": false, "best_of": 1, "tool_choice": "none"});
+        "echo": false, "best_of": 1, "tool_choice": "auto"});
     let (st, v) = post(&s, "/v1/completions", &off);
     assert_eq!(st, 200, "{v}");
     // A token id outside the vocabulary is a bad prompt, not a context overflow.
@@ -390,6 +390,9 @@ fn the_context_limit_is_the_one_the_kv_budget_is_planned_for() {
         v["error"]["message"].as_str().unwrap().contains("context limit is 48"),
         "{v}"
     );
+    // Without max_tokens the default (256) is cut to the limit, not refused.
+    let (st, v) = post(&s, "/v1/completions", &json!({"prompt": "x", "ignore_eos": true}));
+    assert_eq!(st, 200, "{v}");
     // A completion that reaches the limit ends there: once 48 positions are filled, the token sampled from the
     // last is the last one (as in the library's own test).
     let (st, v) = post(

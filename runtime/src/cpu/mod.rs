@@ -287,19 +287,24 @@ pub fn kernel_summary() -> String {
 /// Whether the tiled 4-bit kernels prefetch the next group in decode (one token) too, as they do for prompts:
 /// on Intel cores, where a core's one stream leaves DRAM partly idle (see [`DramProbe::four_streams`]), they do
 /// (medium decode +26% with the AVX-512 kernel on the Sapphire Rapids host, +3% with the AVX2 one there); on
-/// AMD's Zen 4 (family 25) it cut one thread's rate from DRAM by a quarter (25–28 → 19–21 GB/s), so they do not;
+/// AMD's Zen 3 and 4 (family 25) it cut one thread's rate from DRAM by a quarter (25–28 → 19–21 GB/s), so they do not;
 /// on Zen 5 (family 26) they do again (medium decode 38.6–41.0 → 42.3–55.6 tok/s, alternated, 2026-11-30).
 /// `SLUICE_DECODE_PREFETCH=1|0` overrides; results are the same bits either way.
 pub fn decode_prefetch() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| {
-        let by_default = intel_cpu() || amd_family().is_some_and(|f| f >= AMD_ZEN5_FAMILY);
+        let by_default = prefetch_by_default(intel_cpu(), amd_family());
         decode_prefetch_rule(by_default, std::env::var("SLUICE_DECODE_PREFETCH").ok().as_deref())
     })
 }
 
 /// AMD's CPU family of Zen 5 (`cpuid`'s displayed family, 0x1A).
 const AMD_ZEN5_FAMILY: u32 = 26;
+
+/// [`decode_prefetch`]'s default for a CPU that is Intel's or not, and its family if it is AMD's.
+fn prefetch_by_default(intel: bool, amd_family: Option<u32>) -> bool {
+    intel || amd_family.is_some_and(|f| f >= AMD_ZEN5_FAMILY)
+}
 
 /// This CPU's family (`cpuid` leaf 1, base plus extended) when it is AMD's, for the rule above.
 fn amd_family() -> Option<u32> {

@@ -894,7 +894,11 @@ fn cpu_families_read_from_cpuid_signatures() {
     assert_eq!(x86::family_of(0x00A1_0F11), 25);
     assert_eq!(x86::family_of(0x00B0_0F21), 26);
     assert_eq!(x86::family_of(0x0008_06F8), 6);
-    assert!(AMD_ZEN5_FAMILY == 26 && x86::family_of(0x00B0_0F21) >= AMD_ZEN5_FAMILY);
+    // What decode prefetch defaults to for each: on for Intel and Zen 5, off for Zen 4 and other vendors.
+    assert!(prefetch_by_default(true, None));
+    assert!(prefetch_by_default(false, Some(x86::family_of(0x00B0_0F21))));
+    assert!(!prefetch_by_default(false, Some(x86::family_of(0x00A1_0F11))));
+    assert!(!prefetch_by_default(false, None));
 }
 
 #[test]
