@@ -336,12 +336,6 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
         ),
         (
             "/v1/completions",
-            json!({"prompt": [999_999]}).to_string(),
-            400,
-            "outside the vocabulary",
-        ),
-        (
-            "/v1/completions",
             json!({"prompt": "x", "echo": true}).to_string(),
             400,
             "echo is not supported",
@@ -368,8 +362,12 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
     let (st, v) = post(&s, "/v1/completions", &off);
     assert_eq!(st, 200, "{v}");
     // A token id outside the vocabulary is a bad prompt, not a context overflow.
-    let (_, v) = post(&s, "/v1/completions", &json!({"prompt": [999_999]}));
-    assert_eq!(v["error"]["param"], Value::Null, "{v}");
+    let (st, v) = post(&s, "/v1/completions", &json!({"prompt": [999_999]}));
+    assert_eq!(st, 400, "{v}");
+    let e = &v["error"];
+    assert!(e["message"].as_str().unwrap().contains("outside the vocabulary"), "{v}");
+    assert!(e.get("type").is_some() && e.get("code").is_some(), "{v}");
+    assert_eq!(e["param"], Value::Null, "{v}");
     assert_ne!(v["error"]["code"], "context_length_exceeded", "{v}");
 }
 

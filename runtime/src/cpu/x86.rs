@@ -1266,17 +1266,25 @@ pub(super) fn q4_tiled_rows(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) 
     }
 }
 
-/// This CPU's family when its vendor string is AMD's ("AuthenticAMD"): `cpuid` leaf 1's base family, plus its
-/// extended family when the base is 0xF (as AMD documents it: Zen 4 is 25, Zen 5 is 26).
-pub(super) fn amd_family() -> Option<u32> {
+/// `cpuid` leaf `leaf`.
+fn cpuid(leaf: u32) -> CpuidResult {
     // SAFETY: `cpuid` exists on every x86-64 CPU (the intrinsic is safe from Rust 1.94 on, unsafe before).
     #[allow(unused_unsafe)]
-    let (vendor, leaf1) = unsafe { (__cpuid(0), __cpuid(1)) };
-    // "Auth" "enti" "cAMD" in EBX, EDX, ECX.
-    if [vendor.ebx, vendor.edx, vendor.ecx] != [0x6874_7541, 0x6974_6e65, 0x444d_4163] {
-        return None;
+    unsafe {
+        __cpuid(leaf)
     }
-    Some(family_of(leaf1.eax))
+}
+
+/// The vendor string (`cpuid` leaf 0) as its three registers in string order: EBX, EDX, ECX.
+fn vendor() -> [u32; 3] {
+    let r = cpuid(0);
+    [r.ebx, r.edx, r.ecx]
+}
+
+/// This CPU's family when its vendor string is AMD's ("Auth" "enti" "cAMD"): `cpuid` leaf 1's base family, plus
+/// its extended family when the base is 0xF (as AMD documents it: Zen 4 is 25, Zen 5 is 26).
+pub(super) fn amd_family() -> Option<u32> {
+    (vendor() == [0x6874_7541, 0x6974_6e65, 0x444d_4163]).then(|| family_of(cpuid(1).eax))
 }
 
 /// The displayed family in `cpuid` leaf 1's EAX: bits 8–11, plus bits 20–27 when those are 0xF.
@@ -1291,11 +1299,8 @@ pub(super) fn family_of(eax: u32) -> u32 {
 
 /// Whether this CPU's vendor string (`cpuid` leaf 0) is Intel's.
 pub(super) fn intel_cpu() -> bool {
-    // SAFETY: `cpuid` exists on every x86-64 CPU (the intrinsic is safe from Rust 1.94 on, unsafe before).
-    #[allow(unused_unsafe)]
-    let r = unsafe { __cpuid(0) };
-    // The vendor string is EBX, EDX, ECX: "Genu" "ineI" "ntel".
-    [r.ebx, r.edx, r.ecx] == [0x756e_6547, 0x4965_6e69, 0x6c65_746e]
+    // "Genu" "ineI" "ntel".
+    vendor() == [0x756e_6547, 0x4965_6e69, 0x6c65_746e]
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
