@@ -110,8 +110,11 @@ impl ModelConfig {
 /// A token-id field that may be one id or a list of ids (`eos_token_id` in config and generation config).
 pub fn token_ids(v: Option<&Value>) -> Vec<u32> {
     match v {
-        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).map(|x| x as u32).collect(),
+        // An id past u32 is past every vocabulary: dropped, not truncated into some real token's id.
+        Some(Value::Number(n)) => n.as_u64().and_then(|x| u32::try_from(x).ok()).into_iter().collect(),
+        Some(Value::Array(a)) => (a.iter().filter_map(Value::as_u64))
+            .filter_map(|x| u32::try_from(x).ok())
+            .collect(),
         _ => Vec::new(),
     }
 }
@@ -182,6 +185,15 @@ mod tests {
         assert!(c.text.get("rope_scaling").is_none());
         assert_eq!(c.eos_token_ids(), vec![1, 2]);
         assert_eq!(c.quant.default.unwrap().bits, 4);
+        // Ids past u32 are dropped, not truncated (2^32 + 2 would have read as token 2).
+        for (eos, want) in [("[1,4294967298]", vec![1]), ("4294967298", vec![])] {
+            let c = ModelConfig::parse(
+                Path::new("c.json"),
+                &format!(r#"{{"model_type":"qwen3_moe","eos_token_id":{eos}}}"#),
+            )
+            .unwrap();
+            assert_eq!(c.eos_token_ids(), want, "{eos}");
+        }
     }
 
     #[test]

@@ -126,7 +126,8 @@ fn spec_from(m: &serde_json::Map<String, Value>, mode: QuantMode, at: &str) -> R
     let bits = match m.get("bits") {
         Some(v) => v
             .as_u64()
-            .ok_or_else(|| format!("`{at}.bits` must be an integer, got {v}"))? as u32,
+            .and_then(|b| u32::try_from(b).ok())
+            .ok_or_else(|| format!("`{at}.bits` must be an integer below 2^32, got {v}"))?,
         None => match mode {
             QuantMode::Mxfp8 => 8,
             _ => 4,
@@ -183,5 +184,8 @@ mod tests {
         let v: Value = serde_json::from_str(r#"{"group_size":64,"bits":4,"mode":"q4_k"}"#).unwrap();
         assert!(QuantConfig::parse(Some(&v)).unwrap_err().contains("q4_k"));
         assert!(QuantConfig::parse(None).unwrap().default.is_none());
+        // 2^32 + 4 bits is refused, not read as 4.
+        let v: Value = serde_json::from_str(r#"{"group_size":64,"bits":4294967300}"#).unwrap();
+        assert!(QuantConfig::parse(Some(&v)).unwrap_err().contains("bits"));
     }
 }
