@@ -16,6 +16,7 @@ use sluice_runtime::forecast::{
 use sluice_runtime::memory_plan::{ExpertPlacement, MachineMemory, MemoryPlan, PlanRequest};
 
 use crate::store_cmds::EngineArgs;
+use crate::ContextArgs;
 
 /// Arguments of `sluice doctor`.
 #[derive(Args)]
@@ -38,9 +39,8 @@ pub struct DoctorArgs {
     /// Seconds spent on each probe.
     #[arg(long, default_value_t = 3.0)]
     probe_seconds: f64,
-    /// Context the KV budget covers (default: the model's, at most 32768).
-    #[arg(short = 'c', long)]
-    ctx_size: Option<usize>,
+    #[command(flatten)]
+    context: ContextArgs,
     /// Print one JSON object instead of the report.
     #[arg(long)]
     json: bool,
@@ -87,7 +87,7 @@ pub fn run(a: DoctorArgs) -> Result<()> {
         None => None,
     };
     let mut opts = a.engine.options()?;
-    opts.context = a.ctx_size;
+    opts.context = a.context.ctx_size;
     let size = size_from_config(&config, index_total, opts.kv_element_bytes())?;
     let top_ks = match &a.top_k {
         Some(spec) => parse_top_ks(spec, size.num_experts)?,

@@ -98,10 +98,8 @@ struct GenerateArgs {
     /// Stop when this text appears (repeatable); it is not printed.
     #[arg(long)]
     stop: Vec<String>,
-    /// Context limit in tokens, prompt and completion together; the KV budget is planned for it (default: the
-    /// model's max_position_embeddings, at most 32768).
-    #[arg(short = 'c', long, env = "SLUICE_CTX_SIZE")]
-    ctx_size: Option<usize>,
+    #[command(flatten)]
+    context: ContextArgs,
     #[command(flatten)]
     prefill: PrefillArgs,
     /// Compute threads (default: all cores).
@@ -129,6 +127,24 @@ fn main() -> Result<()> {
         Command::Selftest(args) => selftest::run(args),
         Command::Eval(args) => eval::run(args),
         Command::Doctor(args) => doctor::run(args),
+    }
+}
+
+/// The context limit (generate, serve, doctor).
+#[derive(clap::Args, Clone, Copy, Debug)]
+pub(crate) struct ContextArgs {
+    /// Context limit in tokens, prompt and completion together; the KV budget is planned for it (default: the
+    /// model's max_position_embeddings, at most 32768).
+    #[arg(short = 'c', long, env = "SLUICE_CTX_SIZE", value_parser = parse_ctx_size)]
+    pub(crate) ctx_size: Option<usize>,
+}
+
+/// A `--ctx-size` value: a whole number of tokens, at least 1.
+fn parse_ctx_size(s: &str) -> std::result::Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(0) => Err("must be at least 1 token".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
     }
 }
 
@@ -169,14 +185,14 @@ fn generate(a: GenerateArgs) -> Result<()> {
         stop: a.stop.clone(),
         expert_top_k: a.top_k,
         ignore_eos: a.ignore_eos,
-        context_limit: a.ctx_size,
+        context_limit: a.context.ctx_size,
         // The plan's pass, which is `-b` when given.
         prefill_chunk: None,
     };
     // Cheap checks before a load that may take minutes.
     params.sampling.validate()?;
     let mut opts = a.engine.options()?;
-    opts.context = a.ctx_size;
+    opts.context = a.context.ctx_size;
     opts.prefill_chunk = prefill_chunk;
     let pipeline =
         Pipeline::load_with(&a.model, &opts).with_context(|| format!("loading the model in {}", a.model.display()))?;

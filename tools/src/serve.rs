@@ -10,6 +10,7 @@ use sluice_runtime::Pipeline;
 use sluice_server::ServerConfig;
 
 use crate::store_cmds::EngineArgs;
+use crate::ContextArgs;
 
 /// Arguments of `sluice serve`.
 #[derive(Args)]
@@ -35,10 +36,8 @@ pub struct ServeArgs {
     /// Compute threads (default: all cores).
     #[arg(short = 't', long, env = "SLUICE_THREADS")]
     threads: Option<usize>,
-    /// Context limit in tokens, prompt and completion together; the KV budget is planned for it (default: the
-    /// model's max_position_embeddings, at most 32768).
-    #[arg(short = 'c', long, env = "SLUICE_CTX_SIZE")]
-    ctx_size: Option<usize>,
+    #[command(flatten)]
+    context: ContextArgs,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -49,11 +48,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
     if a.max_queue == 0 {
         bail!("--max-queue must be at least 1");
     }
-    if a.ctx_size == Some(0) {
-        bail!("--ctx-size must be at least 1");
-    }
     let mut opts = a.engine.options()?;
-    opts.context = a.ctx_size;
+    opts.context = a.context.ctx_size;
     let addr: SocketAddr = format!("{}:{}", a.host, a.port)
         .parse()
         .with_context(|| format!("bad --host/--port `{}:{}`", a.host, a.port))?;

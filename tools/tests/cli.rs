@@ -254,6 +254,7 @@ fn bad_flags_are_rejected() {
         (&["--top-k", "99"], "top-k 99 must be between 1 and the model's"),
         (&["--temperature=-1"], "temperature must be ≥ 0, got -1"),
         (&["--threads", "0"], "--threads must be at least 1"),
+        (&["--ctx-size", "0"], "--ctx-size <CTX_SIZE>': must be at least 1 token"),
     ] {
         let err = fails(&dir, extra);
         assert!(err.contains(want), "{extra:?}: expected `{want}` in: {err}");
@@ -262,6 +263,14 @@ fn bad_flags_are_rejected() {
     assert_eq!(out.status.code(), Some(2), "clap usage error");
     let err = fails(&dir, &["--backend", "gpu"]);
     assert!(err.contains("unknown backend `gpu` (cpu, mlx, reference)"), "{err}");
+    // `doctor` shares the context flag, and its check.
+    let out = sluice(&["doctor", "--config", dir.to_str().unwrap(), "--ctx-size", "0"]);
+    assert_eq!(out.status.code(), Some(2), "clap usage error");
+    assert!(
+        text(&out.stderr).contains("must be at least 1 token"),
+        "{}",
+        text(&out.stderr)
+    );
 }
 
 #[test]
