@@ -127,7 +127,7 @@ fn spec_from(m: &serde_json::Map<String, Value>, mode: QuantMode, at: &str) -> R
         Some(v) => v
             .as_u64()
             .and_then(|b| u32::try_from(b).ok())
-            .ok_or_else(|| format!("`{at}.bits` must be an integer below 2^32, got {v}"))?,
+            .ok_or_else(|| format!("`{at}.bits` must be a non-negative integer below 2^32, got {v}"))?,
         None => match mode {
             QuantMode::Mxfp8 => 8,
             _ => 4,
