@@ -328,6 +328,7 @@ impl Common {
             Some(Stop::One(s)) => vec![s.clone()],
             Some(Stop::Many(v)) => v.clone(),
         };
+        check_stops(&stop)?;
         Ok(GenerateParams {
             max_tokens: max as usize,
             sampling,
@@ -336,6 +337,27 @@ impl Common {
             ignore_eos: self.ignore_eos,
             ..GenerateParams::default()
         })
+    }
+}
+
+/// Most stop strings a request may give (OpenAI's API takes 4). Each generated piece of text is matched
+/// against every one: a million short ones cost the engine 22 ms a token, as much as a decode step.
+const MAX_STOPS: usize = 16;
+/// Longest stop string, in bytes: the matcher also checks each one's prefixes against the end of the text.
+const MAX_STOP_BYTES: usize = 512;
+
+/// A 400 when `stops` are more or longer than [`MAX_STOPS`] and [`MAX_STOP_BYTES`] allow.
+fn check_stops(stops: &[String]) -> Result<(), ApiError> {
+    if stops.len() > MAX_STOPS {
+        let msg = format!("stop has {} strings; at most {MAX_STOPS} are allowed", stops.len());
+        return Err(ApiError::bad(msg, Some("stop")));
+    }
+    match stops.iter().map(String::len).max() {
+        Some(n) if n > MAX_STOP_BYTES => {
+            let msg = format!("a stop string is {n} bytes long; at most {MAX_STOP_BYTES} are allowed");
+            Err(ApiError::bad(msg, Some("stop")))
+        }
+        _ => Ok(()),
     }
 }
 

@@ -340,6 +340,18 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
             400,
             "echo is not supported",
         ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "stop": vec!["a"; 17]}).to_string(),
+            400,
+            "at most 16 are allowed",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}], "stop": "z".repeat(513)}).to_string(),
+            400,
+            "513 bytes long",
+        ),
         ("/v1/completions", "x".repeat(5 << 20), 413, "exceeds"),
         ("/v1/nothing", "{}".into(), 404, "no such endpoint"),
     ];
@@ -356,9 +368,9 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
     }
     let (st, _) = post(&s, "/v1/completions", &json!({"prompt": "still here", "max_tokens": 2}));
     assert_eq!(st, 200);
-    // Those fields' "off" values, which clients send by default, pass.
+    // Those fields' "off" values, which clients send by default, pass; so do 16 stop strings of 512 bytes.
     let off = json!({"prompt": "x", "max_tokens": 2, "logprobs": false, "top_logprobs": null, "logit_bias": {},
-        "echo": false, "best_of": 1, "tool_choice": "auto"});
+        "echo": false, "best_of": 1, "tool_choice": "auto", "stop": vec!["s".repeat(512); 16]});
     let (st, v) = post(&s, "/v1/completions", &off);
     assert_eq!(st, 200, "{v}");
     // A token id outside the vocabulary is a bad prompt, not a context overflow.
