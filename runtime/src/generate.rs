@@ -133,7 +133,11 @@ impl Pipeline {
         mut on_text: impl FnMut(&str) -> bool,
     ) -> Result<GenerationStats> {
         let ids = self.tokenize(prompt)?;
-        let ctx = (params.context_limit).map_or(self.model.context_limit(), |c| c.min(self.model.context_limit()));
+        // A request may lower the planned limit, never raise it.
+        let ctx = params
+            .context_limit
+            .unwrap_or(usize::MAX)
+            .min(self.model.context_limit());
         if ids.is_empty() {
             return Err(ModelError::InvalidArgument("the prompt is empty (no tokens)".into()));
         }
