@@ -168,22 +168,23 @@ pub struct CounterSnapshot {
 }
 
 impl CounterSnapshot {
-    /// The activity between `earlier` and `self`.
+    /// The activity between `earlier` and `self` (none for a counter `earlier` shows higher: a snapshot
+    /// taken later).
     pub fn since(&self, earlier: &CounterSnapshot) -> CounterSnapshot {
         CounterSnapshot {
-            demand_bytes: self.demand_bytes - earlier.demand_bytes,
-            prefetch_bytes: self.prefetch_bytes - earlier.prefetch_bytes,
-            reads: self.reads - earlier.reads,
-            read_errors: self.read_errors - earlier.read_errors,
-            hits: self.hits - earlier.hits,
-            misses: self.misses - earlier.misses,
-            prefetch_issued: self.prefetch_issued - earlier.prefetch_issued,
-            prefetch_hits: self.prefetch_hits - earlier.prefetch_hits,
-            prefetch_wasted: self.prefetch_wasted - earlier.prefetch_wasted,
-            prefetch_wasted_bytes: self.prefetch_wasted_bytes - earlier.prefetch_wasted_bytes,
-            prefetch_cancelled: self.prefetch_cancelled - earlier.prefetch_cancelled,
-            guessed: self.guessed - earlier.guessed,
-            guessed_used: self.guessed_used - earlier.guessed_used,
+            demand_bytes: self.demand_bytes.saturating_sub(earlier.demand_bytes),
+            prefetch_bytes: self.prefetch_bytes.saturating_sub(earlier.prefetch_bytes),
+            reads: self.reads.saturating_sub(earlier.reads),
+            read_errors: self.read_errors.saturating_sub(earlier.read_errors),
+            hits: self.hits.saturating_sub(earlier.hits),
+            misses: self.misses.saturating_sub(earlier.misses),
+            prefetch_issued: self.prefetch_issued.saturating_sub(earlier.prefetch_issued),
+            prefetch_hits: self.prefetch_hits.saturating_sub(earlier.prefetch_hits),
+            prefetch_wasted: self.prefetch_wasted.saturating_sub(earlier.prefetch_wasted),
+            prefetch_wasted_bytes: self.prefetch_wasted_bytes.saturating_sub(earlier.prefetch_wasted_bytes),
+            prefetch_cancelled: self.prefetch_cancelled.saturating_sub(earlier.prefetch_cancelled),
+            guessed: self.guessed.saturating_sub(earlier.guessed),
+            guessed_used: self.guessed_used.saturating_sub(earlier.guessed_used),
             io_wait_seconds: self.io_wait_seconds - earlier.io_wait_seconds,
             read_busy_seconds: self.read_busy_seconds - earlier.read_busy_seconds,
             read_active_seconds: self.read_active_seconds - earlier.read_active_seconds,
@@ -192,7 +193,7 @@ impl CounterSnapshot {
             read_latency: HistogramSnapshot {
                 counts: (self.read_latency.counts.iter())
                     .zip(earlier.read_latency.counts.iter().chain(std::iter::repeat(&0)))
-                    .map(|(a, b)| a - b)
+                    .map(|(a, b)| a.saturating_sub(*b))
                     .collect(),
                 sum_seconds: self.read_latency.sum_seconds - earlier.read_latency.sum_seconds,
             },

@@ -60,7 +60,10 @@ fn main() {
     let mut confident = logits.clone();
     confident[4242] += 40.0;
     let confident_rows = [("confident, 0.7 / 0.8 / 20", 0.7, 0.8, 20, 0.0)];
-    let all = rows.iter().map(|r| (r, &logits)).chain(confident_rows.iter().map(|r| (r, &confident)));
+    let all = rows
+        .iter()
+        .map(|r| (r, &logits))
+        .chain(confident_rows.iter().map(|r| (r, &confident)));
     for (&(name, temperature, top_p, top_k, min_p), logits) in all {
         let mut sampler = Sampler::new(SamplingParams {
             temperature,

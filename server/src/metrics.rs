@@ -277,8 +277,10 @@ impl StoreMetrics {
 
     /// Adds what the store did since the last scrape.
     fn advance(&self) {
-        let now = self.source.snapshot();
+        // The snapshot is taken under the lock: two scrapes at once would otherwise each subtract the other's
+        // later snapshot from their earlier one.
         let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        let now = self.source.snapshot();
         let d = now.since(&last);
         self.bytes.with_label_values(&["demand"]).inc_by(d.demand_bytes);
         self.bytes.with_label_values(&["prefetch"]).inc_by(d.prefetch_bytes);
@@ -304,5 +306,58 @@ impl StoreMetrics {
         self.depth.set(now.effective_queue_depth());
         self.slots_backed.set(i64::from(self.backed()));
         *last = now;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
+
+    use super::*;
+
+    /// The counter `name`'s value in a rendered page.
+    fn value(page: &str, name: &str) -> f64 {
+        (page.lines())
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("{name} in the page"))
+    }
+
+    #[test]
+    fn scrapes_at_once_add_what_the_store_did_once() {
+        let counters = Arc::new(StoreCounters::default());
+        let metrics = Metrics::new(4, Some(counters.clone()), 0);
+        let done = std::sync::atomic::AtomicBool::new(false);
+        let reads = std::thread::scope(|s| {
+            let store = s.spawn(|| {
+                // Reads at a pace a disk could keep, while four scrapers render as fast as they can.
+                for _ in 0..20_000 {
+                    counters.hits.fetch_add(1, Ordering::Relaxed);
+                    counters.read_latency.observe(Duration::from_micros(100));
+                    std::thread::yield_now();
+                }
+                done.store(true, Ordering::Relaxed);
+                20_000u64
+            });
+            let scrapers: Vec<_> = (0..4)
+                .map(|_| {
+                    s.spawn(|| {
+                        while !done.load(Ordering::Relaxed) {
+                            metrics.render(0, 0);
+                        }
+                    })
+                })
+                .collect();
+            for t in scrapers {
+                t.join().expect("a scrape panicked");
+            }
+            store.join().expect("the store's thread")
+        });
+        let page = metrics.render(0, 0);
+        assert_eq!(
+            value(&page, "sluice_expert_cache_hits_total"),
+            counters.hits.load(Ordering::Relaxed) as f64
+        );
+        assert_eq!(value(&page, "sluice_expert_read_latency_seconds_count"), reads as f64);
     }
 }
