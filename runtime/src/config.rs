@@ -136,8 +136,8 @@ fn normalise_rope(text: &mut Value) {
         map.insert("partial_rotary_factor".into(), f.clone());
     }
     let kind = params
-        .get("rope_type")
-        .or_else(|| params.get("type"))
+        .get("type")
+        .or_else(|| params.get("rope_type"))
         .and_then(Value::as_str)
         .unwrap_or("default");
     if kind != "default" && map.get("rope_scaling").is_none_or(|v| v.is_null()) {
@@ -148,9 +148,11 @@ fn normalise_rope(text: &mut Value) {
 /// Rope scaling as written in `rope_scaling` (HF field names).
 #[derive(Debug, Clone, Default, serde::Deserialize)]
 pub struct RopeScaling {
-    /// "default", "linear", "yarn" (`type` in older configs).
-    #[serde(alias = "type")]
+    /// "default", "linear", "yarn".
     pub rope_type: Option<String>,
+    /// The same in older configs; transformers re-saving one keeps both keys.
+    #[serde(rename = "type")]
+    pub legacy_type: Option<String>,
     /// Scale factor.
     pub factor: Option<f64>,
     /// YaRN: context length the model was trained at.
@@ -165,6 +167,36 @@ pub struct RopeScaling {
     pub mscale_all_dim: Option<f64>,
     /// YaRN: whether to floor/ceil the correction range (HF's `truncate`, default true).
     pub truncate: Option<bool>,
+    /// YaRN: the attention scale itself, in place of the one computed from `mscale` (HF, mlx-lm).
+    pub attention_factor: Option<f64>,
+}
+
+impl RopeScaling {
+    /// The scaling kind: `type` first, as mlx-lm reads it, then `rope_type`, else "default".
+    pub fn kind(&self) -> &str {
+        (self.legacy_type.as_deref())
+            .or(self.rope_type.as_deref())
+            .unwrap_or("default")
+    }
+}
+
+/// The context a model serves: `max_position_embeddings`, or what its rope scaling extends it to (linear and
+/// YaRN: `factor` × the original context, as vLLM derives it; never less than `max_position_embeddings`).
+pub fn context_length(max_position_embeddings: usize, scaling: Option<&RopeScaling>) -> usize {
+    let Some(s) = scaling else {
+        return max_position_embeddings;
+    };
+    let factor = s.factor.filter(|f| f.is_finite() && *f > 1.0);
+    let scaled = match (s.kind(), factor) {
+        ("linear" | "yarn", Some(f)) => {
+            let original = (s.original_max_position_embeddings)
+                .filter(|o| o.is_finite() && *o > 0.0)
+                .unwrap_or(max_position_embeddings as f64);
+            (original * f).min(u32::MAX as f64) as usize
+        }
+        _ => 0,
+    };
+    max_position_embeddings.max(scaled)
 }
 
 #[cfg(test)]
@@ -194,6 +226,42 @@ mod tests {
             .unwrap();
             assert_eq!(c.eos_token_ids(), want, "{eos}");
         }
+    }
+
+    #[test]
+    fn rope_scaling_kinds_and_the_context_they_extend_to() {
+        let scaling = |json: &str| -> RopeScaling { serde_json::from_str(json).unwrap() };
+        // Both spellings at once, as transformers re-saves a legacy config: `type` wins, as in mlx-lm.
+        let both =
+            scaling(r#"{"type":"yarn","rope_type":"yarn","factor":4.0,"original_max_position_embeddings":32768}"#);
+        assert_eq!(both.kind(), "yarn");
+        assert_eq!(scaling(r#"{"rope_type":"linear","factor":2.0}"#).kind(), "linear");
+        assert_eq!(scaling(r#"{"factor":2.0}"#).kind(), "default");
+        // Qwen3's documented YaRN block on a 40,960-token config serves 4 × 32,768.
+        assert_eq!(context_length(40960, Some(&both)), 131072);
+        assert_eq!(context_length(40960, None), 40960);
+        assert_eq!(
+            context_length(4096, Some(&scaling(r#"{"type":"linear","factor":2.0}"#))),
+            8192
+        );
+        // A factor that does not extend, or a kind that does not scale positions, leaves the config's own.
+        assert_eq!(
+            context_length(4096, Some(&scaling(r#"{"type":"yarn","factor":0.5}"#))),
+            4096
+        );
+        assert_eq!(
+            context_length(4096, Some(&scaling(r#"{"type":"mrope","factor":4.0}"#))),
+            4096
+        );
+        // Through a whole config: the block in `rope_parameters` too.
+        let c = ModelConfig::parse(
+            Path::new("c.json"),
+            r#"{"model_type":"qwen3_moe","rope_parameters":{"rope_type":"yarn","type":"yarn","factor":4.0,
+                "original_max_position_embeddings":32768,"rope_theta":1e6}}"#,
+        )
+        .unwrap();
+        let s: RopeScaling = serde_json::from_value(c.text["rope_scaling"].clone()).unwrap();
+        assert_eq!((s.kind(), context_length(40960, Some(&s))), ("yarn", 131072));
     }
 
     #[test]

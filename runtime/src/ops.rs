@@ -113,7 +113,7 @@ impl Rope {
         }
         let half = dims / 2;
         let base: Vec<f64> = (0..half).map(|i| theta.powf(-2.0 * i as f64 / dims as f64)).collect();
-        let kind = scaling.and_then(|s| s.rope_type.as_deref()).unwrap_or("default");
+        let kind = scaling.map_or("default", RopeScaling::kind);
         let factor = scaling.and_then(|s| s.factor).unwrap_or(1.0);
         let (inv_freq, mscale) = match kind {
             "default" | "mrope" => (base, 1.0),
@@ -151,7 +151,15 @@ impl Rope {
                         0.1 * a * factor.ln() + 1.0
                     }
                 };
-                let ms = m(s.mscale.unwrap_or(1.0)) / m(s.mscale_all_dim.unwrap_or(0.0));
+                let ms = match s.attention_factor {
+                    Some(a) if !(a.is_finite() && a > 0.0) => {
+                        return Err(ModelError::InvalidArgument(format!(
+                            "yarn rope_scaling attention_factor must be finite and > 0, got {a}"
+                        )))
+                    }
+                    Some(a) => a,
+                    None => m(s.mscale.unwrap_or(1.0)) / m(s.mscale_all_dim.unwrap_or(0.0)),
+                };
                 (inv, ms as f32)
             }
             other => {
@@ -361,6 +369,21 @@ mod tests {
             })
         )
         .is_err());
+    }
+
+    #[test]
+    fn yarn_attention_factor_replaces_the_computed_scale() {
+        let yarn = |attention_factor: Option<f64>| RopeScaling {
+            rope_type: Some("yarn".into()),
+            factor: Some(4.0),
+            attention_factor,
+            ..Default::default()
+        };
+        let computed = Rope::new(64, 1e6, false, Some(&yarn(None))).unwrap().mscale;
+        assert!((computed - (0.1 * 4f32.ln() + 1.0)).abs() < 1e-6, "{computed}");
+        assert_eq!(Rope::new(64, 1e6, false, Some(&yarn(Some(1.0)))).unwrap().mscale, 1.0);
+        assert_eq!(Rope::new(64, 1e6, false, Some(&yarn(Some(1.25)))).unwrap().mscale, 1.25);
+        assert!(Rope::new(64, 1e6, false, Some(&yarn(Some(f64::NAN)))).is_err());
     }
 
     #[test]

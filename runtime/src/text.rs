@@ -374,6 +374,16 @@ mod tests {
     }
 
     #[test]
+    fn templates_can_use_loop_controls() {
+        // Jinja's loop-controls extension, which transformers turns on for chat templates.
+        let t = "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}{{ m.content }}\
+                 {% if m.content == 'stop' %}{% break %}{% endif %}{% endfor %}";
+        let (_d, c) = codec_with_template(Value::String(t.into()));
+        let msgs = ["s", "u", "stop", "never"].map(|m| ChatMessage::new(if m == "s" { "system" } else { "user" }, m));
+        assert_eq!(c.apply_chat_template(&msgs, false).unwrap(), "ustop");
+    }
+
+    #[test]
     fn named_template_list_uses_default_and_missing_template_is_an_error() {
         let list = serde_json::json!([{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]);
         let (_d, c) = codec_with_template(list);

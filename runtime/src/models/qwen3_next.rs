@@ -149,7 +149,7 @@ pub fn describe(config: &ModelConfig, tensors: Option<&Weights>) -> Result<Archi
         layers: c.num_hidden_layers,
         attn,
         vocab: c.vocab_size,
-        context_length: c.max_position_embeddings,
+        context_length: crate::config::context_length(c.max_position_embeddings, c.rope_scaling.as_ref()),
         eps: c.rms_norm_eps,
         tie_embeddings: c.tie_word_embeddings,
         qk_norm: true,
