@@ -124,20 +124,11 @@ impl Pipeline {
         }
     }
 
-    /// Generates from `prompt`, calling `on_text` once per generated token with the text it completes (possibly
-    /// empty while a character or a possible stop string is held back); `on_text` returns `false` to stop.
-    pub fn generate(
-        &self,
-        prompt: &Prompt,
-        params: &GenerateParams,
-        mut on_text: impl FnMut(&str) -> bool,
-    ) -> Result<GenerationStats> {
-        let ids = self.tokenize(prompt)?;
-        // A request may lower the planned limit, never raise it.
-        let ctx = params
-            .context_limit
-            .unwrap_or(usize::MAX)
-            .min(self.model.context_limit());
+    /// Rejects a tokenized prompt that [`Pipeline::generate`] could not start on: no tokens, longer than the
+    /// context limit (the plan's, or the request's lower one), or an id outside the vocabulary. A server calls it
+    /// before it answers, so such a request gets an error status rather than a stream that fails.
+    pub fn check_prompt(&self, ids: &[u32], params: &GenerateParams) -> Result<()> {
+        let ctx = self.context_for(params);
         if ids.is_empty() {
             return Err(ModelError::InvalidArgument("the prompt is empty (no tokens)".into()));
         }
@@ -147,6 +138,30 @@ impl Pipeline {
                 ids.len()
             )));
         }
+        let vocab = self.model.info.vocab_size;
+        if let Some(id) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(ModelError::InvalidArgument(format!(
+                "token id {id} is outside the vocabulary of {vocab}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The context a request may fill: a request may lower the planned limit, never raise it.
+    fn context_for(&self, params: &GenerateParams) -> usize {
+        (params.context_limit.unwrap_or(usize::MAX)).min(self.model.context_limit())
+    }
+
+    /// Generates from `prompt`, calling `on_text` once per generated token with the text it completes (possibly
+    /// empty while a character or a possible stop string is held back); `on_text` returns `false` to stop.
+    pub fn generate(
+        &self,
+        prompt: &Prompt,
+        params: &GenerateParams,
+        mut on_text: impl FnMut(&str) -> bool,
+    ) -> Result<GenerationStats> {
+        let ids = self.tokenize(prompt)?;
+        self.check_prompt(&ids, params)?;
         let mut sampler = Sampler::new(params.sampling.clone())?;
         let opts = ForwardOptions {
             top_k: params.expert_top_k,
@@ -188,7 +203,7 @@ impl Pipeline {
             if generated.len() >= params.max_tokens {
                 break FinishReason::Length;
             }
-            if cache.len() >= ctx {
+            if cache.len() >= self.context_for(params) {
                 break FinishReason::Length;
             }
             logits = self.model.forward(&[next], &mut cache, &opts)?;

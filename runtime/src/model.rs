@@ -47,7 +47,7 @@ pub struct ModelInfo {
     pub model_type: String,
     /// Vocabulary size (rows of the output head).
     pub vocab_size: usize,
-    /// Context limit (`max_position_embeddings`).
+    /// Context limit (`max_position_embeddings`, or what rope scaling extends it to).
     pub context_length: usize,
     /// Experts per MoE layer.
     pub num_experts: usize,
@@ -158,7 +158,7 @@ impl<B: Backend> Model<B> {
         }
         if len + tokens.len() > info.context_length {
             return Err(ModelError::Limit(format!(
-                "{} tokens exceed the context limit of {} (max_position_embeddings)",
+                "{} tokens exceed the model's context limit of {}",
                 len + tokens.len(),
                 info.context_length
             )));

@@ -99,10 +99,12 @@ impl ApiError {
         )
     }
 
-    fn from_model(e: ModelError) -> Self {
+    /// The error for a failed generation; a prompt past the context names the chat's `messages` or the
+    /// completion's `prompt`.
+    fn from_model(e: ModelError, chat: bool) -> Self {
         match e {
             ModelError::Limit(m) => {
-                let mut e = Self::bad(m, Some("messages"));
+                let mut e = Self::bad(m, Some(if chat { "messages" } else { "prompt" }));
                 e.code = Some("context_length_exceeded");
                 e
             }
@@ -493,7 +495,7 @@ async fn run(
     }
     let prompt_tokens = match rx.recv().await {
         Some(Event::Started { prompt_tokens }) => prompt_tokens,
-        Some(Event::Failed(e)) => return Err(ApiError::from_model(e)),
+        Some(Event::Failed(e)) => return Err(ApiError::from_model(e, chat)),
         _ => {
             return Err(ApiError::with(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -604,7 +606,7 @@ async fn whole_reply(r: Reply, mut rx: mpsc::UnboundedReceiver<Event>) -> Result
                 }))
                 .into_response());
             }
-            Some(Event::Failed(e)) => return Err(ApiError::from_model(e)),
+            Some(Event::Failed(e)) => return Err(ApiError::from_model(e, r.chat)),
             Some(Event::Started { .. }) => {}
             None => {
                 return Err(ApiError::with(
@@ -662,7 +664,7 @@ fn stream_reply(r: Reply, rx: mpsc::UnboundedReceiver<Event>) -> Sse<impl Stream
                         return Some((evs, (r, rx, last, true)));
                     }
                     Some(Event::Failed(e)) => {
-                        let ev = SseEvent::default().data(ApiError::from_model(e).body().to_string());
+                        let ev = SseEvent::default().data(ApiError::from_model(e, r.chat).body().to_string());
                         return Some((vec![ev, SseEvent::default().data("[DONE]")], (r, rx, last, true)));
                     }
                     Some(Event::Started { .. }) => {}

@@ -114,7 +114,12 @@ fn run(p: Pipeline, rx: Receiver<Job>, waiting: Arc<AtomicUsize>, running: Arc<A
         let events = job.events;
         // Each generation starts from a fresh KV cache, so a panic (a bug) fails only its own request: the
         // client gets an error and the thread goes on to the next job instead of taking the model with it.
-        let result = without_panics(|| match p.tokenize(&job.prompt) {
+        // The prompt is checked before `Started`, which commits a streamed reply to a 200.
+        let tokenized = || {
+            p.tokenize(&job.prompt)
+                .and_then(|ids| p.check_prompt(&ids, &job.params).map(|()| ids))
+        };
+        let result = without_panics(|| match tokenized() {
             Ok(ids) => {
                 let _ = events.send(Event::Started {
                     prompt_tokens: ids.len(),

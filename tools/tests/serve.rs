@@ -292,6 +292,25 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
             400,
             "context limit",
         ),
+        // Streamed too: the prompt is checked before a stream's 200 goes out.
+        (
+            "/v1/completions",
+            json!({"prompt": long, "stream": true}).to_string(),
+            400,
+            "context limit",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": long}], "stream": true}).to_string(),
+            400,
+            "context limit",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [999_999], "stream": true}).to_string(),
+            400,
+            "outside the vocabulary",
+        ),
         (
             "/v1/completions",
             json!({"prompt": "x", "max_tokens": -1}).to_string(),
@@ -400,6 +419,10 @@ fn the_context_limit_is_the_one_the_kv_budget_is_planned_for() {
         v["error"]["message"].as_str().unwrap().contains("context limit is 48"),
         "{v}"
     );
+    assert_eq!(v["error"]["param"], "prompt", "{v}");
+    let chat = json!({"messages": [{"role": "user", "content": long}], "max_tokens": 2});
+    let (st, v) = post(&s, "/v1/chat/completions", &chat);
+    assert_eq!((st, &v["error"]["param"]), (400, &json!("messages")), "{v}");
     // Without max_tokens the default (256) is cut to the limit, not refused.
     let (st, v) = post(&s, "/v1/completions", &json!({"prompt": "x", "ignore_eos": true}));
     assert_eq!(st, 200, "{v}");
