@@ -158,10 +158,24 @@ impl Pipeline {
         &self,
         prompt: &Prompt,
         params: &GenerateParams,
-        mut on_text: impl FnMut(&str) -> bool,
+        on_text: impl FnMut(&str) -> bool,
     ) -> Result<GenerationStats> {
         let ids = self.tokenize(prompt)?;
-        self.check_prompt(&ids, params)?;
+        self.generate_tokens(&ids, matches!(prompt, Prompt::Chat(_)), params, on_text)
+    }
+
+    /// [`Pipeline::generate`] from a tokenized prompt; `chat` says it came from messages. A text prompt's
+    /// continuation is decoded after the prompt's last tokens, so that prompt + completion is the text the
+    /// tokens spell: tokenizers that strip the first token's leading space (SentencePiece's `▁`, Mixtral's)
+    /// would otherwise turn " fox" into "fox". A chat reply starts on its own, as HF and mlx-lm decode it.
+    pub fn generate_tokens(
+        &self,
+        ids: &[u32],
+        chat: bool,
+        params: &GenerateParams,
+        mut on_text: impl FnMut(&str) -> bool,
+    ) -> Result<GenerationStats> {
+        self.check_prompt(ids, params)?;
         let mut sampler = Sampler::new(params.sampling.clone())?;
         let opts = ForwardOptions {
             top_k: params.expert_top_k,
@@ -178,7 +192,11 @@ impl Pipeline {
 
         let t1 = Instant::now();
         let mut generated: Vec<u32> = Vec::new();
-        let mut decoder = StreamDecoder::new();
+        let mut decoder = if chat {
+            StreamDecoder::new()
+        } else {
+            StreamDecoder::after(ids)
+        };
         let mut stops = StopMatcher::new(&params.stop);
         let mut decode_steps = 0;
         let mut stop_string_hit = false;
@@ -186,7 +204,7 @@ impl Pipeline {
             if generated.len() >= params.max_tokens {
                 break FinishReason::Length;
             }
-            let next = sampler.sample(&logits, &ids, &generated);
+            let next = sampler.sample(&logits, ids, &generated);
             generated.push(next);
             if !params.ignore_eos && self.codec.eos_ids().contains(&next) {
                 break FinishReason::Stop;

@@ -241,6 +241,17 @@ impl StreamDecoder {
         Self::default()
     }
 
+    /// A decoder continuing `context` (a prompt): the first token's text is what it adds after the context's
+    /// last few tokens, a leading space included where the tokenizer strips it at the start of a text.
+    pub fn after(context: &[u32]) -> Self {
+        let ids = context[context.len().saturating_sub(4)..].to_vec();
+        Self {
+            prefix: 0,
+            read: ids.len(),
+            ids,
+        }
+    }
+
     /// Adds one token; returns the text it completes (possibly empty).
     pub fn push(&mut self, codec: &TextCodec, id: u32) -> Result<String> {
         self.ids.push(id);
@@ -371,6 +382,26 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("roles must be user or assistant, got tool"), "{e}");
+    }
+
+    #[test]
+    fn a_continuation_keeps_the_leading_space_a_sentencepiece_decoder_strips_at_the_start() {
+        // SentencePiece style (Mixtral, Llama): `▁` marks a space, and decoding a text drops the first one.
+        let d = tempfile::tempdir().unwrap();
+        let meta =
+            serde_json::json!({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": true});
+        let tok = serde_json::json!({"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": meta, "post_processor": null, "decoder": meta,
+            "model": {"type": "WordLevel", "vocab": {"▁The": 0, "▁quick": 1, "▁fox": 2, "<unk>": 3}, "unk_token": "<unk>"}});
+        std::fs::write(d.path().join("tokenizer.json"), tok.to_string()).unwrap();
+        let c = TextCodec::load(d.path(), &[]).unwrap();
+        assert_eq!(c.encode("The quick", false).unwrap(), vec![0, 1]);
+        assert_eq!(c.decode(&[2]).unwrap(), "fox");
+        let mut cont = StreamDecoder::after(&[0, 1]);
+        assert_eq!(cont.push(&c, 2).unwrap(), " fox");
+        assert_eq!(cont.push(&c, 1).unwrap(), " quick");
+        // A reply on its own (a chat turn) starts without it, as HF decodes the reply's tokens.
+        assert_eq!(StreamDecoder::new().push(&c, 2).unwrap(), "fox");
     }
 
     #[test]

@@ -124,7 +124,8 @@ fn run(p: Pipeline, rx: Receiver<Job>, waiting: Arc<AtomicUsize>, running: Arc<A
                 let _ = events.send(Event::Started {
                     prompt_tokens: ids.len(),
                 });
-                p.generate(&Prompt::Tokens(ids), &job.params, |text| {
+                let chat = matches!(job.prompt, Prompt::Chat(_));
+                p.generate_tokens(&ids, chat, &job.params, |text| {
                     // The receiver is dropped when the client disconnects: stop at this token.
                     events.send(Event::Text(text.to_string())).is_ok()
                 })
