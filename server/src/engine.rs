@@ -1,9 +1,9 @@
 //! The engine: one thread owns the model and runs one generation at a time, fed by a bounded FIFO queue.
 
+use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
 use sluice_runtime::{GenerateParams, GenerationStats, ModelError, Pipeline, Prompt};
@@ -41,9 +41,10 @@ pub enum Event {
 /// The HTTP side's handle on the engine.
 #[derive(Clone)]
 pub struct EngineHandle {
-    tx: SyncSender<Job>,
-    waiting: Arc<AtomicUsize>,
+    queue: Arc<Queue>,
     running: Arc<AtomicUsize>,
+    /// Dropped with the last handle: the engine thread then ends once the queue is empty.
+    _open: Arc<Open>,
 }
 
 /// Why a job was not queued.
@@ -54,45 +55,133 @@ pub enum SubmitError {
     Stopped,
 }
 
+/// The jobs waiting for the engine, in arrival order. A plain channel could not drop a job whose client has
+/// left: it would hold its place until the engine reached it, and a queue of such jobs turns live requests away.
+struct Queue {
+    state: Mutex<QueueState>,
+    ready: Condvar,
+    capacity: usize,
+    metrics: Arc<Metrics>,
+}
+
+struct QueueState {
+    jobs: VecDeque<Job>,
+    /// No handle is left to submit.
+    closed: bool,
+    /// The engine thread has ended.
+    stopped: bool,
+}
+
+impl Queue {
+    fn lock(&self) -> MutexGuard<'_, QueueState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Drops the jobs whose clients have left (each counted cancelled).
+    fn purge(&self, st: &mut QueueState) {
+        let before = st.jobs.len();
+        st.jobs.retain(|j| !j.events.is_closed());
+        for _ in st.jobs.len()..before {
+            self.metrics.cancelled.inc();
+        }
+    }
+
+    /// Queues a job, or says why not.
+    fn push(&self, job: Job) -> Result<(), SubmitError> {
+        let mut st = self.lock();
+        if st.stopped {
+            return Err(SubmitError::Stopped);
+        }
+        self.purge(&mut st);
+        if st.jobs.len() >= self.capacity {
+            return Err(SubmitError::Full);
+        }
+        st.jobs.push_back(job);
+        self.ready.notify_one();
+        Ok(())
+    }
+
+    /// The next job to run, waiting for one; `None` once no handle is left and the queue is empty.
+    fn next(&self) -> Option<Job> {
+        let mut st = self.lock();
+        loop {
+            self.purge(&mut st);
+            if let Some(job) = st.jobs.pop_front() {
+                return Some(job);
+            }
+            if st.closed {
+                return None;
+            }
+            st = self.ready.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+/// Marks the queue closed when the last handle goes.
+struct Open(Arc<Queue>);
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.lock().closed = true;
+        self.0.ready.notify_all();
+    }
+}
+
+/// Marks the queue stopped when the engine thread ends, however it ends.
+struct Stopped(Arc<Queue>);
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        let mut st = self.0.lock();
+        st.stopped = true;
+        st.jobs.clear();
+    }
+}
+
 impl EngineHandle {
     /// Starts the engine thread, computing on `threads` (`None`: all cores), with a queue of `capacity` waiting
     /// jobs.
     pub fn start(pipeline: Pipeline, capacity: usize, threads: Option<usize>, metrics: Arc<Metrics>) -> Self {
-        let (tx, rx) = sync_channel(capacity.max(1));
-        let waiting = Arc::new(AtomicUsize::new(0));
+        let queue = Arc::new(Queue {
+            state: Mutex::new(QueueState {
+                jobs: VecDeque::new(),
+                closed: false,
+                stopped: false,
+            }),
+            ready: Condvar::new(),
+            capacity: capacity.max(1),
+            metrics: Arc::clone(&metrics),
+        });
         let running = Arc::new(AtomicUsize::new(0));
-        let (w, r) = (Arc::clone(&waiting), Arc::clone(&running));
+        let (q, r) = (Arc::clone(&queue), Arc::clone(&running));
         std::thread::Builder::new()
             .name("sluice-engine".into())
             .spawn(move || {
+                let _stopped = Stopped(Arc::clone(&q));
                 // The engine thread computes as the first worker of its own pool (see `threads`).
                 let _pool = sluice_runtime::threads::join_compute_pool(threads)
                     .map_err(|e| tracing::warn!("compute threads: {e}; kernels run on the global pool"))
                     .ok();
-                run(pipeline, rx, w, r, metrics)
+                run(pipeline, &q, r, metrics)
             })
             .expect("spawning the engine thread");
-        Self { tx, waiting, running }
-    }
-
-    /// Queues a job, or says why not.
-    pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
-        self.waiting.fetch_add(1, Ordering::SeqCst);
-        match self.tx.try_send(job) {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                self.waiting.fetch_sub(1, Ordering::SeqCst);
-                Err(match e {
-                    TrySendError::Full(_) => SubmitError::Full,
-                    TrySendError::Disconnected(_) => SubmitError::Stopped,
-                })
-            }
+        Self {
+            _open: Arc::new(Open(Arc::clone(&queue))),
+            queue,
+            running,
         }
     }
 
-    /// Jobs waiting in the queue.
+    /// Queues a job, or says why not. Jobs whose clients have left give up their places first.
+    pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
+        self.queue.push(job)
+    }
+
+    /// Jobs waiting in the queue (those whose clients have left are dropped first).
     pub fn waiting(&self) -> usize {
-        self.waiting.load(Ordering::SeqCst)
+        let mut st = self.queue.lock();
+        self.queue.purge(&mut st);
+        st.jobs.len()
     }
 
     /// Jobs being generated (0 or 1).
@@ -101,15 +190,9 @@ impl EngineHandle {
     }
 }
 
-fn run(p: Pipeline, rx: Receiver<Job>, waiting: Arc<AtomicUsize>, running: Arc<AtomicUsize>, m: Arc<Metrics>) {
-    while let Ok(job) = rx.recv() {
-        waiting.fetch_sub(1, Ordering::SeqCst);
+fn run(p: Pipeline, queue: &Queue, running: Arc<AtomicUsize>, m: Arc<Metrics>) {
+    while let Some(job) = queue.next() {
         m.queue_time.observe(job.arrived.elapsed().as_secs_f64());
-        // A client that left while queued frees its place without costing a generation.
-        if job.events.is_closed() {
-            m.cancelled.inc();
-            continue;
-        }
         running.store(1, Ordering::SeqCst);
         let events = job.events;
         // Each generation starts from a fresh KV cache, so a panic (a bug) fails only its own request: the
@@ -155,6 +238,53 @@ fn without_panics<T>(job: impl FnOnce() -> Result<T, ModelError>) -> Result<T, M
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn queue(capacity: usize) -> Arc<Queue> {
+        Arc::new(Queue {
+            state: Mutex::new(QueueState {
+                jobs: VecDeque::new(),
+                closed: false,
+                stopped: false,
+            }),
+            ready: Condvar::new(),
+            capacity,
+            metrics: Metrics::new(4, None, 0),
+        })
+    }
+
+    /// A job and the receiver its client holds.
+    fn job(text: &str) -> (Job, mpsc::UnboundedReceiver<Event>) {
+        let (events, rx) = mpsc::unbounded_channel();
+        let job = Job {
+            prompt: Prompt::Raw(text.into()),
+            params: GenerateParams::default(),
+            events,
+            arrived: Instant::now(),
+        };
+        (job, rx)
+    }
+
+    #[test]
+    fn a_client_that_leaves_while_queued_gives_up_its_place() {
+        let q = queue(1);
+        let (b, b_rx) = job("b");
+        assert!(q.push(b).is_ok());
+        let (c, _c_rx) = job("c");
+        assert!(matches!(q.push(c), Err(SubmitError::Full)), "the queue of one is full");
+        // B's client leaves: C takes its place, and the engine gets C, not B.
+        drop(b_rx);
+        let (c, _c_rx) = job("c");
+        assert!(q.push(c).is_ok());
+        let next = q.next().expect("a job");
+        assert!(matches!(&next.prompt, Prompt::Raw(t) if t == "c"));
+        assert_eq!(q.metrics.cancelled.get(), 1);
+        // Once no handle is left and nothing waits, the engine's loop ends.
+        drop(Open(Arc::clone(&q)));
+        assert!(q.next().is_none());
+        // An engine that is gone takes no more jobs.
+        drop(Stopped(Arc::clone(&q)));
+        assert!(matches!(q.push(job("d").0), Err(SubmitError::Stopped)));
+    }
 
     #[test]
     fn a_panicking_job_becomes_an_internal_error() {
