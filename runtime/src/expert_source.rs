@@ -77,23 +77,22 @@ pub(crate) fn open_source(
         }
         None => open_table(|d| RecordTable::in_place(ckpt, stacks, d), direct, opts.io)?,
     };
-    // What the reads cost (packed records are padded): the bytes the slots must hold.
-    footprint.expert_bytes = table.total_read_bytes();
     let rewritten = rewrite.is_some();
     let table = match rewrite {
         Some(t) => table.with_transform(t)?,
         None => table,
     };
+    // What the slots take to hold every record: a slot per record, each as long as the longest (records of
+    // mixed-precision layers differ; packed ones are padded), aligned. Planning on the records' own sizes
+    // instead would let a resident arena outgrow its plan (by ~2 GB on a mixed 3/6-bit 30B).
+    let every_record = table.len() as u64 * (table.max_slot_len().next_multiple_of(expert_store::SLOT_ALIGN) as u64);
+    footprint.expert_bytes = every_record;
     let plan = MemoryPlan {
         direct_io: direct,
         ..plan_for(footprint)
     };
     let preload = plan.placement == ExpertPlacement::Resident;
-    let cache_bytes = if preload {
-        table.len() as u64 * (table.max_slot_len().next_multiple_of(expert_store::SLOT_ALIGN) as u64)
-    } else {
-        plan.expert_cache
-    };
+    let cache_bytes = if preload { every_record } else { plan.expert_cache };
     let engine = StreamingSource::new(
         table,
         &EngineOptions {

@@ -130,6 +130,16 @@ fn streamed_equals_resident_on_every_fixture() {
 }
 
 #[test]
+fn a_resident_arena_is_what_the_memory_plan_counts() {
+    // Layer 1's down projection is 6-bit, layer 0's 3-bit: records differ in size, and every slot is sized for
+    // the largest. The plan must count the slots, not the records' own bytes.
+    let m = load(&fixture("qwen3_moe-mixed36"), &resident());
+    let (slots, slot_len) = (m.expert_slots().unwrap(), m.expert_slot_len().unwrap());
+    let arena = (slots * slot_len) as u64;
+    assert_eq!(m.memory_plan.expert_cache, arena, "{}", m.memory_plan);
+}
+
+#[test]
 fn counters_account_for_every_read() {
     let dir = fixture("qwen3_moe-q4g64");
     let tmp = tempfile::tempdir().unwrap();
