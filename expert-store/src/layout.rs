@@ -322,6 +322,25 @@ impl RecordTable {
         self.layers.values().flatten().map(|r| r.read_len() as u64).sum()
     }
 
+    /// Reads the first piece of one record into an aligned buffer and drops it: a filesystem that accepts
+    /// O_DIRECT at open but refuses the reads themselves (`EINVAL`) says so here, before a generation needs a
+    /// record. No record: nothing to read.
+    pub fn probe_read(&self) -> io::Result<()> {
+        let Some(op) = (self.layers.values().flatten())
+            .find_map(|r| r.reads.first())
+            .and_then(|r| r.pieces().next())
+        else {
+            return Ok(());
+        };
+        let file = self
+            .files
+            .get(op.file)
+            .ok_or_else(|| io::Error::other("a read names no file"))?;
+        let mut buf = (crate::aligned::SlotBuf::allocate(1, op.len).and_then(|mut b| b.pop()))
+            .ok_or_else(|| io::Error::other("no memory for a probe read"))?;
+        read_full(&**file, &mut buf.as_mut_slice()[..op.len], op.offset, op.needed).map(|_| ())
+    }
+
     /// Number of records.
     pub fn len(&self) -> usize {
         self.layers.values().map(Vec::len).sum()

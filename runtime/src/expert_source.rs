@@ -123,17 +123,24 @@ pub(crate) fn open_source(
 }
 
 /// The record table, read directly when `direct`; under `--io auto` a filesystem that refuses direct reads
-/// (some network and in-memory ones) gets buffered reads instead. Returns whether reads are direct.
+/// (some network and in-memory ones, at open or at the first read) gets buffered reads instead. Returns
+/// whether reads are direct.
 fn open_table(
     open: impl Fn(bool) -> std::result::Result<RecordTable, StoreError>,
     direct: bool,
     io: IoMode,
 ) -> Result<(RecordTable, bool)> {
+    let buffered = |why: &dyn std::fmt::Display| -> Result<(RecordTable, bool)> {
+        tracing::warn!("direct reads refused ({why}); reading experts through the page cache");
+        Ok((open(false)?, false))
+    };
     match open(direct) {
-        Err(e) if direct && io == IoMode::Auto => {
-            tracing::warn!("direct reads refused ({e}); reading experts through the page cache");
-            Ok((open(false)?, false))
-        }
+        Err(e) if direct && io == IoMode::Auto => buffered(&e),
+        Ok(table) if direct && io == IoMode::Auto => match table.probe_read() {
+            // Other errors are the disk's, and a generation that reads that record will say so.
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => buffered(&e),
+            _ => Ok((table, true)),
+        },
         r => Ok((r?, direct)),
     }
 }
@@ -155,4 +162,62 @@ pub(crate) fn record_bytes(ckpt: &Checkpoint, stacks: &[StackedExperts], store: 
         })
         .max()
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::path::Path;
+
+    use expert_store::{ReadAt, ReadOp, RecordLayout};
+
+    use super::*;
+
+    /// A file of zeros whose reads fail with `EINVAL` when opened for direct reads, as some filesystems do.
+    struct Refusing {
+        direct: bool,
+    }
+
+    impl ReadAt for Refusing {
+        fn read_at(&self, buf: &mut [u8], _offset: u64) -> std::io::Result<usize> {
+            if self.direct {
+                return Err(std::io::Error::from(std::io::ErrorKind::InvalidInput));
+            }
+            buf.fill(0);
+            Ok(buf.len())
+        }
+        fn path(&self) -> &Path {
+            Path::new("experts.bin")
+        }
+    }
+
+    fn table(direct: bool) -> std::result::Result<RecordTable, StoreError> {
+        let read = ReadOp {
+            file: 0,
+            offset: 0,
+            len: 4096,
+            slot_offset: 0,
+            needed: 4096,
+        };
+        let record = RecordLayout {
+            reads: vec![read],
+            parts: vec![(0, 4096)],
+            checksum: None,
+            rewritten: None,
+        };
+        let files: Vec<Arc<dyn ReadAt>> = vec![Arc::new(Refusing { direct })];
+        Ok(RecordTable::new(files, HashMap::from([(0, vec![record])])))
+    }
+
+    #[test]
+    fn direct_reads_refused_at_the_first_read_fall_back_to_buffered_under_auto() {
+        let (t, direct) = open_table(table, true, IoMode::Auto).unwrap();
+        assert!(!direct);
+        assert!(t.probe_read().is_ok());
+        // Asked for by name, direct reads stay direct (and fail when read).
+        let (t, direct) = open_table(table, true, IoMode::Direct).unwrap();
+        assert!(direct && t.probe_read().is_err());
+        let (_, direct) = open_table(table, false, IoMode::Auto).unwrap();
+        assert!(!direct);
+    }
 }
