@@ -5,9 +5,9 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::{to_bytes, Body};
-use axum::extract::{Request, State};
+use axum::extract::{Path, Request, State};
 use axum::http::StatusCode;
-use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, Stream, StreamExt};
@@ -89,6 +89,27 @@ impl ApiError {
         )
     }
 
+    /// 404 for a model id this server does not serve.
+    fn model_not_found(asked: &str, served: &str) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            message: format!("model `{asked}` does not exist; this server serves `{served}`"),
+            kind: "invalid_request_error",
+            param: Some("model"),
+            code: Some("model_not_found"),
+        }
+    }
+
+    /// 405 for a known path asked with another method.
+    pub fn method_not_allowed() -> Self {
+        Self::with(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "invalid_request_error",
+            "method_not_allowed",
+            "this endpoint does not take that method",
+        )
+    }
+
     /// 404 for an unknown path.
     pub fn not_found() -> Self {
         Self::with(
@@ -157,20 +178,23 @@ struct Part {
 struct Message {
     role: String,
     content: Option<Content>,
+    /// An assistant turn's tool calls (and the legacy `function_call`): refused while tools are, rather than
+    /// dropped from the conversation the model sees.
+    tool_calls: Option<Value>,
+    function_call: Option<Value>,
 }
 
+// Booleans are `Option`s: clients send `null` for "the default".
 #[derive(Deserialize)]
 struct StreamOptions {
-    #[serde(default)]
-    include_usage: bool,
+    include_usage: Option<bool>,
 }
 
 /// The fields both completion endpoints share.
 #[derive(Deserialize)]
 struct Common {
     model: Option<String>,
-    #[serde(default)]
-    stream: bool,
+    stream: Option<bool>,
     stream_options: Option<StreamOptions>,
     max_tokens: Option<i64>,
     max_completion_tokens: Option<i64>,
@@ -181,7 +205,8 @@ struct Common {
     repetition_penalty: Option<f32>,
     frequency_penalty: Option<f32>,
     presence_penalty: Option<f32>,
-    seed: Option<u64>,
+    /// An integer; a negative one (llama.cpp's -1) asks for a random seed.
+    seed: Option<Value>,
     stop: Option<Stop>,
     n: Option<i64>,
     tools: Option<Value>,
@@ -194,11 +219,12 @@ struct Common {
     suffix: Option<Value>,
     best_of: Option<Value>,
     tool_choice: Option<Value>,
+    functions: Option<Value>,
+    function_call: Option<Value>,
     /// sluice extension: experts per token for this request (at most the server's `--top-k`).
     expert_top_k: Option<i64>,
     /// Extension (as in vLLM): keep generating past end-of-sequence tokens.
-    #[serde(default)]
-    ignore_eos: bool,
+    ignore_eos: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -237,7 +263,7 @@ impl Common {
     fn reject_unsupported(&self) -> Result<(), ApiError> {
         let asked =
             |v: &Option<Value>, off: &dyn Fn(&Value) -> bool| v.as_ref().is_some_and(|v| !(v.is_null() || off(v)));
-        let fields: [(&'static str, bool); 7] = [
+        let fields: [(&'static str, bool); 9] = [
             ("logprobs", asked(&self.logprobs, &|v| v == &Value::Bool(false))),
             ("top_logprobs", asked(&self.top_logprobs, &|v| v.as_i64() == Some(0))),
             (
@@ -252,6 +278,15 @@ impl Common {
                 "tool_choice",
                 asked(&self.tool_choice, &|v| matches!(v.as_str(), Some("none" | "auto"))),
             ),
+            // The legacy form of tools.
+            (
+                "functions",
+                asked(&self.functions, &|v| v.as_array().is_some_and(|a| a.is_empty())),
+            ),
+            (
+                "function_call",
+                asked(&self.function_call, &|v| matches!(v.as_str(), Some("none" | "auto"))),
+            ),
         ];
         match fields.into_iter().find(|&(_, asked)| asked) {
             Some((field, _)) => Err(ApiError::bad(format!("{field} is not supported yet"), Some(field))),
@@ -259,17 +294,23 @@ impl Common {
         }
     }
 
+    /// The seed asked for: an integer, a negative one (llama.cpp's -1) meaning random.
+    fn seed(&self) -> Result<Option<u64>, ApiError> {
+        match &self.seed {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => match (v.as_u64(), v.as_i64()) {
+                (Some(s), _) => Ok(Some(s)),
+                (None, Some(n)) if n < 0 => Ok(None),
+                _ => Err(ApiError::bad("seed must be an integer", Some("seed"))),
+            },
+        }
+    }
+
     /// Checks the fields and builds generation settings.
     fn params(&self, st: &AppState, l: &Loaded) -> Result<GenerateParams, ApiError> {
         if let Some(m) = &self.model {
             if m != &st.model_id {
-                return Err(ApiError {
-                    status: StatusCode::NOT_FOUND,
-                    message: format!("model `{m}` does not exist; this server serves `{}`", st.model_id),
-                    kind: "invalid_request_error",
-                    param: Some("model"),
-                    code: Some("model_not_found"),
-                });
+                return Err(ApiError::model_not_found(m, &st.model_id));
             }
         }
         if self.n.is_some_and(|n| n != 1) {
@@ -321,7 +362,7 @@ impl Common {
             repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
             presence_penalty: self.presence_penalty.unwrap_or(0.0),
-            seed: self.seed,
+            seed: self.seed()?,
             ..SamplingParams::default()
         };
         sampling.validate().map_err(|e| ApiError::bad(e.to_string(), None))?;
@@ -336,7 +377,7 @@ impl Common {
             sampling,
             stop,
             expert_top_k: expert_top_k.or(Some(l.top_k)),
-            ignore_eos: self.ignore_eos,
+            ignore_eos: self.ignore_eos.unwrap_or(false),
             ..GenerateParams::default()
         })
     }
@@ -368,10 +409,25 @@ pub async fn models(State(st): State<Arc<AppState>>) -> Response {
     if let Some(l) = st.loaded.get() {
         l.metrics.requests.with_label_values(&["/v1/models", "200"]).inc();
     }
-    Json(
-        json!({"object": "list", "data": [{"id": st.model_id, "object": "model", "created": 0, "owned_by": "sluice"}]}),
-    )
-    .into_response()
+    Json(json!({"object": "list", "data": [model_object(&st.model_id)]})).into_response()
+}
+
+/// `GET /v1/models/{id}`: the model, under its id; another id is a 404.
+pub async fn model(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    let found = id == st.model_id;
+    if let Some(l) = st.loaded.get() {
+        let status = if found { "200" } else { "404" };
+        l.metrics.requests.with_label_values(&["/v1/models/{id}", status]).inc();
+    }
+    if !found {
+        return ApiError::model_not_found(&id, &st.model_id).into_response();
+    }
+    Json(model_object(&st.model_id)).into_response()
+}
+
+/// The OpenAI model object for `id`.
+fn model_object(id: &str) -> Value {
+    json!({"id": id, "object": "model", "created": 0, "owned_by": "sluice"})
 }
 
 /// `POST /v1/chat/completions`.
@@ -407,6 +463,16 @@ async fn chat_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiErr
     for m in &body.messages {
         if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer" | "tool") {
             return Err(ApiError::bad(format!("unknown role `{}`", m.role), Some("messages")));
+        }
+        let called = |v: &Option<Value>| {
+            v.as_ref()
+                .is_some_and(|v| !(v.is_null() || v.as_array().is_some_and(|a| a.is_empty())))
+        };
+        if called(&m.tool_calls) || called(&m.function_call) {
+            return Err(ApiError::bad(
+                "tool calls in messages are not supported yet",
+                Some("messages"),
+            ));
         }
         let text = match &m.content {
             None => String::new(),
@@ -517,9 +583,10 @@ async fn run(
         chat,
         prompt_tokens,
         arrived,
-        include_usage: c.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        include_usage: (c.stream_options.as_ref()).is_some_and(|o| o.include_usage.unwrap_or(false)),
+        created: now(),
     };
-    if c.stream {
+    if c.stream.unwrap_or(false) {
         Ok(stream_reply(ctx, rx).into_response())
     } else {
         whole_reply(ctx, rx).await
@@ -534,6 +601,8 @@ struct Reply {
     prompt_tokens: usize,
     arrived: Instant,
     include_usage: bool,
+    /// Unix seconds when the reply began: every chunk of a stream carries the same.
+    created: u64,
 }
 
 fn finish_reason(f: FinishReason) -> &'static str {
@@ -566,7 +635,7 @@ impl Reply {
     fn chunk(&self, text: Option<&str>, finish: Option<&str>) -> Value {
         let choice = if self.chat {
             let delta = match text {
-                Some(t) => json!({"role": "assistant", "content": t}),
+                Some(t) => json!({"content": t}),
                 None => json!({}),
             };
             json!({"index": 0, "delta": delta, "finish_reason": finish})
@@ -578,7 +647,7 @@ impl Reply {
         } else {
             "text_completion"
         };
-        json!({"id": self.id, "object": object, "created": now(), "model": self.model, "choices": [choice]})
+        json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [choice]})
     }
 }
 
@@ -601,7 +670,7 @@ async fn whole_reply(r: Reply, mut rx: mpsc::UnboundedReceiver<Event>) -> Result
                 };
                 let object = if r.chat { "chat.completion" } else { "text_completion" };
                 return Ok(Json(json!({
-                    "id": r.id, "object": object, "created": now(), "model": r.model,
+                    "id": r.id, "object": object, "created": r.created, "model": r.model,
                     "choices": [choice], "usage": r.usage(stats.generated_tokens),
                 }))
                 .into_response());
@@ -631,6 +700,9 @@ fn tick(r: &Reply, last: &mut Option<Instant>) {
 }
 
 fn stream_reply(r: Reply, rx: mpsc::UnboundedReceiver<Event>) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    let first = r.chat;
+    let mut first_chunk = r.chunk(None, None);
+    first_chunk["choices"][0]["delta"] = json!({"role": "assistant", "content": ""});
     // State: the receiver (dropped with the stream when the client leaves, which cancels the job) and
     // whether the end was sent.
     let s = stream::unfold(
@@ -674,7 +746,10 @@ fn stream_reply(r: Reply, rx: mpsc::UnboundedReceiver<Event>) -> Sse<impl Stream
         },
     )
     .flat_map(|evs| stream::iter(evs.into_iter().map(Ok)));
-    Sse::new(s)
+    // A chat stream opens with the assistant's role and no text, as OpenAI's does (so a reply with no text
+    // still names its role); comments every 15 s keep proxies from closing a stream through a long prompt.
+    let opening = first.then(|| Ok(SseEvent::default().data(first_chunk.to_string())));
+    Sse::new(stream::iter(opening).chain(s)).keep_alive(KeepAlive::default())
 }
 
 /// `GET /health`: 503 while loading, 200 when ready; says whether the expert slots are backed with memory yet.

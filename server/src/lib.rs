@@ -44,9 +44,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(api::health))
         .route("/metrics", get(api::metrics))
         .route("/v1/models", get(api::models))
+        .route("/v1/models/{id}", get(api::model))
         .route("/v1/chat/completions", post(api::chat))
         .route("/v1/completions", post(api::completions))
         .fallback(|| async { api::ApiError::not_found() })
+        .method_not_allowed_fallback(|| async { api::ApiError::method_not_allowed() })
         .with_state(state)
 }
 

@@ -42,6 +42,21 @@ pub struct ServeArgs {
     engine: EngineArgs,
 }
 
+/// The address `--host` and `--port` name: an IP address (`::` and `[::1]` too) or a host name such as
+/// `localhost`, resolved (its first address).
+fn listen_addr(host: &str, port: u16) -> Result<SocketAddr> {
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    if let Ok(ip) = bare.parse::<std::net::IpAddr>() {
+        return Ok(SocketAddr::new(ip, port));
+    }
+    use std::net::ToSocketAddrs;
+    (host, port)
+        .to_socket_addrs()
+        .with_context(|| format!("bad --host `{host}`"))?
+        .next()
+        .with_context(|| format!("--host `{host}` resolves to no address"))
+}
+
 /// Runs `sluice serve` until SIGINT or SIGTERM.
 pub fn run(a: ServeArgs) -> Result<()> {
     crate::check_threads(a.threads)?;
@@ -50,9 +65,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     let mut opts = a.engine.options()?;
     opts.context = a.context.ctx_size;
-    let addr: SocketAddr = format!("{}:{}", a.host, a.port)
-        .parse()
-        .with_context(|| format!("bad --host/--port `{}:{}`", a.host, a.port))?;
+    let addr = listen_addr(&a.host, a.port)?;
     let model_id = a.model_id.clone().unwrap_or_else(|| {
         a.model
             .canonicalize()

@@ -79,15 +79,25 @@ fn start_model(model: &Path, extra: &[&str]) -> Server {
 
 /// One HTTP/1.1 request; returns status and body (chunked bodies are de-chunked).
 fn request(s: &Server, method: &str, path: &str, body: &str) -> (u16, String) {
-    let mut c = TcpStream::connect(&s.addr).unwrap();
-    write!(
-        c,
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
+    // A server may answer (a 413) and close before the whole body is sent: the write then fails and the
+    // close may reset the connection before the answer is read, so that case is tried again.
     let mut raw = Vec::new();
-    c.read_to_end(&mut raw).unwrap();
+    for attempt in 0..5 {
+        let mut c = TcpStream::connect(&s.addr).unwrap();
+        let sent = write!(
+            c,
+            "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        raw.clear();
+        let read = c.read_to_end(&mut raw);
+        if sent.is_ok() {
+            read.unwrap();
+        }
+        if !raw.is_empty() || attempt == 4 {
+            break;
+        }
+    }
     let text = String::from_utf8_lossy(&raw).into_owned();
     let (head, rest) = text.split_once("\r\n\r\n").unwrap();
     let status: u16 = head.split_whitespace().nth(1).unwrap().parse().unwrap();
@@ -204,6 +214,25 @@ fn endpoints_match_generate_streaming_and_not() {
         .filter_map(|c| c["choices"][0]["text"].as_str())
         .collect();
     assert_eq!(text, want);
+
+    // OpenAI's stream shape: a chat stream opens with the role and no text, later chunks carry text only, and
+    // every chunk has the same id and `created`.
+    let chat = json!({"messages": [{"role": "user", "content": "Name a fox."}], "max_tokens": 12, "stream": true});
+    let (_, body) = request(&s, "POST", "/v1/chat/completions", &chat.to_string());
+    let chunks = sse(&body);
+    assert_eq!(
+        chunks[0]["choices"][0]["delta"],
+        json!({"role": "assistant", "content": ""})
+    );
+    assert!(
+        chunks[1..]
+            .iter()
+            .all(|c| c["choices"][0]["delta"].get("role").is_none()),
+        "{body}"
+    );
+    assert!(chunks
+        .iter()
+        .all(|c| c["created"] == chunks[0]["created"] && c["id"] == chunks[0]["id"]));
 
     // A lower expert top-k per request is accepted; above the server's is refused.
     let (st, _) = post(
@@ -400,6 +429,54 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
     assert!(e.get("type").is_some() && e.get("code").is_some(), "{v}");
     assert_eq!(e["param"], Value::Null, "{v}");
     assert_ne!(v["error"]["code"], "context_length_exceeded", "{v}");
+}
+
+#[test]
+fn what_common_clients_send_is_understood() {
+    let s = start(&[]);
+    // Explicit nulls mean the defaults; llama.cpp's seed -1 means random.
+    let nulls = json!({"prompt": "x", "max_tokens": 2, "stream": null, "ignore_eos": null,
+        "stream_options": {"include_usage": null}, "seed": -1});
+    let (st, v) = post(&s, "/v1/completions", &nulls);
+    assert_eq!(st, 200, "{v}");
+    let (st, v) = post(&s, "/v1/completions", &json!({"prompt": "x", "seed": "abc"}));
+    assert_eq!((st, &v["error"]["param"]), (400, &json!("seed")), "{v}");
+    // A conversation with tool calls is refused (tools are not supported yet), not passed on without them.
+    let calls = json!({"messages": [{"role": "user", "content": "6*7?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "a", "type": "function",
+            "function": {"name": "mul", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "a", "content": "42"}]});
+    let (st, v) = post(&s, "/v1/chat/completions", &calls);
+    assert_eq!(st, 400, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("tool calls"), "{v}");
+    let legacy = json!({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]});
+    let (st, v) = post(&s, "/v1/chat/completions", &legacy);
+    assert_eq!((st, &v["error"]["param"]), (400, &json!("functions")), "{v}");
+    let empty =
+        json!({"messages": [{"role": "user", "content": "x", "tool_calls": []}], "functions": [], "max_tokens": 2});
+    assert_eq!(post(&s, "/v1/chat/completions", &empty).0, 200);
+    // The model by id (openai-python's `models.retrieve`), and OpenAI errors for a wrong id or method.
+    let (st, body) = request(&s, "GET", "/v1/models/fox", "");
+    assert_eq!(st, 200);
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["id"], "fox");
+    let (st, body) = request(&s, "GET", "/v1/models/wolf", "");
+    assert_eq!(st, 404);
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap()["error"]["code"],
+        "model_not_found"
+    );
+    let (st, body) = request(&s, "GET", "/v1/chat/completions", "");
+    assert_eq!(st, 405);
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap()["error"]["code"],
+        "method_not_allowed"
+    );
+}
+
+#[test]
+fn a_host_name_is_resolved() {
+    let s = start(&["--host", "localhost"]);
+    assert_eq!(request(&s, "GET", "/health", "").0, 200);
 }
 
 #[test]
