@@ -18,7 +18,7 @@ pub struct ServeArgs {
     /// Model directory or packed store.
     #[arg(short = 'm', long, env = "SLUICE_MODEL")]
     model: PathBuf,
-    /// Address to listen on.
+    /// Address to listen on: an IP address, or a host name such as `localhost`.
     #[arg(long, default_value = "127.0.0.1", env = "SLUICE_HOST")]
     host: String,
     /// Port (0: any free port, printed at start).
