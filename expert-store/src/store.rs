@@ -6,6 +6,7 @@
 //! builds that cannot tell layouts apart refuse.
 
 use std::collections::HashMap;
+use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -372,8 +373,16 @@ pub fn convert(
     if out.join(MANIFEST_FILE).exists() && !opts.force {
         return Err(bad(out, "already holds a store; pass --force to replace it"));
     }
+    // What an interrupted convert leaves behind is ours to replace, not someone else's files: its temporary
+    // files, and with --force a data file whose manifest is gone.
+    let mut leftovers = vec![format!("{DATA_FILE}.partial"), format!("{MANIFEST_FILE}.partial")];
+    if opts.force {
+        leftovers.push(DATA_FILE.to_string());
+    }
     if out.exists() && !out.join(MANIFEST_FILE).exists() {
-        let non_empty = std::fs::read_dir(out).map_err(io_err(out))?.next().is_some();
+        let non_empty = (std::fs::read_dir(out).map_err(io_err(out))?)
+            .filter_map(|e| e.ok())
+            .any(|e| !leftovers.iter().any(|l| e.file_name() == l.as_str()));
         if non_empty {
             return Err(bad(
                 out,
@@ -481,6 +490,13 @@ pub fn convert(
     file.sync_all().map_err(io_err(&tmp))?;
     drop(file);
     let data = out.join(DATA_FILE);
+    let mpath = out.join(MANIFEST_FILE);
+    // A replaced store's manifest goes before its data does: a failure between the two renames must not leave
+    // the old manifest over the new data (same length when only the layout changed, so it would open).
+    match std::fs::remove_file(&mpath) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io_err(&mpath)(e)),
+        _ => {}
+    }
     std::fs::rename(&tmp, &data).map_err(io_err(&data))?;
     let manifest = Manifest {
         format: FORMAT.into(),
@@ -497,11 +513,15 @@ pub fn convert(
         checksum: "xxh3-64".into(),
         layers: manifest_layers,
     };
-    let mpath = out.join(MANIFEST_FILE);
     let mtmp = out.join(format!("{MANIFEST_FILE}.partial"));
     let text = serde_json::to_string_pretty(&manifest).map_err(|e| bad(&mpath, e.to_string()))?;
-    std::fs::write(&mtmp, text).map_err(io_err(&mtmp))?;
+    let mut mfile = File::create(&mtmp).map_err(io_err(&mtmp))?;
+    mfile.write_all(text.as_bytes()).map_err(io_err(&mtmp))?;
+    mfile.sync_all().map_err(io_err(&mtmp))?;
+    drop(mfile);
     std::fs::rename(&mtmp, &mpath).map_err(io_err(&mpath))?;
+    // The renames themselves last once the directory is on disk too.
+    File::open(out).and_then(|d| d.sync_all()).map_err(io_err(out))?;
     let store = PackedStore::open(out)?;
     store.check_against(ckpt, stacks)?;
     let bad_records = store.verify(&|_| {})?;

@@ -425,4 +425,29 @@ fn corrupt_stores_are_clear_errors() {
         .unwrap()
         .to_string();
     assert!(err.contains("not empty"), "{err}");
+
+    // A replace that fails before its manifest lands leaves no store (not the old manifest over new data);
+    // what it leaves behind is replaced by the next convert with --force.
+    let blocked = store_dir.join("sluice-store.json.partial");
+    std::fs::create_dir(&blocked).unwrap();
+    assert!(convert_model(&dir, &store_dir, true, StoreLayout::Mlx, &|_, _| {}).is_err());
+    assert!(PackedStore::open(&store_dir).is_err(), "a manifest outlived its data");
+    std::fs::remove_dir(&blocked).unwrap();
+    std::fs::write(&blocked, "half a manifest").unwrap();
+    let err = convert_model(&dir, &store_dir, false, StoreLayout::Mlx, &|_, _| {})
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("not empty"),
+        "without --force a data file is not taken as ours: {err}"
+    );
+    convert_model(&dir, &store_dir, true, StoreLayout::Mlx, &|_, _| {}).unwrap();
+    assert!(PackedStore::open(&store_dir).is_ok());
+    // An interrupted first convert's temporary file does not block the next one.
+    let fresh = store_dir.with_file_name("fresh-store");
+    std::fs::create_dir_all(&fresh).unwrap();
+    std::fs::write(fresh.join("experts.bin.partial"), "interrupted").unwrap();
+    convert_model(&dir, &fresh, false, StoreLayout::Mlx, &|_, _| {}).unwrap();
+    assert!(!fresh.join("experts.bin.partial").exists());
 }
