@@ -1192,7 +1192,10 @@ impl ExpertSource for StreamingSource {
             match st.entries.get_mut(&key) {
                 Some(entry) => {
                     entry.last_pass = pass;
-                    if std::mem::take(&mut entry.unused_prefetch) {
+                    // A guess that was read (or is being read) and is now asked for; one whose read failed
+                    // is no hit.
+                    let guessed = std::mem::take(&mut entry.unused_prefetch);
+                    if guessed && !matches!(entry.state, SlotState::Failed(_)) {
                         c.prefetch_hits.fetch_add(1, Relaxed);
                     }
                     match &entry.state {
@@ -1238,6 +1241,14 @@ impl ExpertSource for StreamingSource {
         inner.drop_queued_prefetches(&mut st, layer, experts);
         for &e in experts {
             let key = (layer, e);
+            // A record whose earlier read failed may be guessed again.
+            if st
+                .entries
+                .peek_mut(&key)
+                .is_some_and(|en| matches!(en.state, SlotState::Failed(_)))
+            {
+                st.entries.pop(&key);
+            }
             if inner.table.record(layer, e).is_none() || st.entries.contains(&key) {
                 continue;
             }

@@ -1156,3 +1156,45 @@ fn a_long_read_is_cut_into_pieces_read_side_by_side() {
     assert_eq!(src.hashed(), 1);
     assert_eq!(counters(&src).bytes_read(), len as u64);
 }
+
+/// A file whose first read at each of some offsets fails (a transient I/O error).
+struct FailOnce {
+    file: Arc<MemFile>,
+    failing: Mutex<Vec<u64>>,
+}
+
+impl ReadAt for FailOnce {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        let mut failing = self.failing.lock().unwrap();
+        if let Some(i) = failing.iter().position(|&o| o == offset) {
+            failing.remove(i);
+            return Err(io::Error::other("transient"));
+        }
+        drop(failing);
+        self.file.read_at(buf, offset)
+    }
+
+    fn path(&self) -> &Path {
+        self.file.path()
+    }
+}
+
+#[test]
+fn a_guess_whose_read_failed_is_no_hit_and_may_be_guessed_again() {
+    let (mut t, file) = table();
+    let failing = Mutex::new(vec![offset_of(5), offset_of(6)]);
+    t.files = vec![Arc::new(FailOnce { file, failing })];
+    let src = StreamingSource::new(t, &options(4 * SLOT, 2)).unwrap();
+    src.prefetch(LAYER, &[5, 6]);
+    src.wait_idle();
+    assert_eq!(counters(&src).read_errors, 2);
+    // Asked for, the failed guess is read again on demand, and was no prefetch hit.
+    read(&src, 5);
+    assert_eq!(counters(&src).prefetch_hits, 0);
+    // Guessed again, it is read again (the failure does not block the guess), and then it is a hit.
+    src.prefetch(LAYER, &[6]);
+    src.wait_idle();
+    read(&src, 6);
+    let c = counters(&src);
+    assert_eq!((c.prefetch_issued, c.prefetch_hits, c.read_errors), (3, 1, 2), "{c:?}");
+}
