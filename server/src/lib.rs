@@ -36,6 +36,9 @@ pub struct ServerConfig {
     pub top_k: Option<usize>,
     /// Compute threads of the engine (`None`: all cores).
     pub threads: Option<usize>,
+    /// How long in-flight responses may take to finish once shutdown begins (a client that stopped reading
+    /// would otherwise hold the server up for good).
+    pub shutdown_grace: std::time::Duration,
 }
 
 /// The router over `state`.
@@ -53,7 +56,8 @@ pub fn router(state: Arc<AppState>) -> Router {
 }
 
 /// Binds `cfg.addr`, answers `/health` with 503 while `load` runs on a blocking thread, then serves until
-/// `shutdown` resolves (in-flight responses finish first). Calls `on_bound` with the bound address.
+/// `shutdown` resolves (in-flight responses get `cfg.shutdown_grace` to finish; a shutdown during the load
+/// returns at once). Calls `on_bound` with the bound address.
 pub async fn serve(
     cfg: ServerConfig,
     load: impl FnOnce() -> anyhow_free::Result<Pipeline> + Send + 'static,
@@ -70,11 +74,34 @@ pub async fn serve(
         loaded: std::sync::OnceLock::new(),
     });
     let app = router(Arc::clone(&state));
-    let server = tokio::spawn(async move { axum::serve(listener, app).with_graceful_shutdown(shutdown).await });
-    let pipeline = tokio::task::spawn_blocking(load)
-        .await
-        .map_err(|e| ServeError::Load(e.to_string()))?
-        .map_err(ServeError::Load)?;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    });
+    let stopped = move || {
+        let mut rx = stop_rx.clone();
+        async move {
+            let _ = rx.wait_for(|&s| s).await;
+        }
+    };
+    let graceful = stopped();
+    let server = tokio::spawn(async move { axum::serve(listener, app).with_graceful_shutdown(graceful).await });
+    let grace = cfg.shutdown_grace;
+    let deadline = {
+        let stopped = stopped();
+        async move {
+            stopped.await;
+            tokio::time::sleep(grace).await;
+        }
+    };
+    let pipeline = tokio::select! {
+        loaded = tokio::task::spawn_blocking(load) => {
+            loaded.map_err(|e| ServeError::Load(e.to_string()))?.map_err(ServeError::Load)?
+        }
+        // The load runs on; the process is on its way out.
+        () = stopped() => return Ok(()),
+    };
     let top_k = cfg.top_k.unwrap_or(pipeline.model.info.default_top_k);
     let experts = pipeline.model.info.num_experts;
     if experts > 0 && (top_k == 0 || top_k > experts) {
@@ -96,10 +123,13 @@ pub async fn serve(
         context_length,
     });
     tracing::info!(%addr, "model loaded; serving");
-    server
-        .await
-        .map_err(|e| ServeError::Serve(e.to_string()))?
-        .map_err(|e| ServeError::Serve(e.to_string()))
+    tokio::select! {
+        r = server => r.map_err(|e| ServeError::Serve(e.to_string()))?.map_err(|e| ServeError::Serve(e.to_string())),
+        () = deadline => {
+            tracing::warn!("responses still open {grace:?} after shutdown began; closing them");
+            Ok(())
+        }
+    }
 }
 
 /// Loading errors are passed as text so this crate needs no error framework.
@@ -120,4 +150,38 @@ pub enum ServeError {
     /// The HTTP server failed.
     #[error("server: {0}")]
     Serve(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_shutdown_during_the_load_returns_at_once() {
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let cfg = ServerConfig {
+            addr: "127.0.0.1:0".parse().unwrap(),
+            model_id: "fox".into(),
+            max_queue: 1,
+            top_k: None,
+            threads: Some(1),
+            shutdown_grace: Duration::from_secs(30),
+        };
+        // A load that would take 30 s.
+        let load = move || {
+            let _ = held.recv_timeout(Duration::from_secs(30));
+            Err("never loaded".to_string())
+        };
+        let t = Instant::now();
+        let r = serve(cfg, load, |_| {}, tokio::time::sleep(Duration::from_millis(100))).await;
+        assert!(r.is_ok(), "{r:?}");
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "waited {:?} for the load",
+            t.elapsed()
+        );
+        let _ = release.send(());
+    }
 }

@@ -79,6 +79,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         max_queue: a.max_queue,
         top_k: a.top_k,
         threads: a.threads,
+        shutdown_grace: std::time::Duration::from_secs(30),
     };
     let model = a.model.clone();
     let load = move || {
@@ -105,6 +106,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
         },
         shutdown_signal(),
     ))?;
+    // Neither a load cut short nor a response past its grace is waited for.
+    rt.shutdown_background();
     let _ = writeln!(std::io::stderr(), "sluice: shut down");
     Ok(())
 }
