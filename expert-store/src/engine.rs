@@ -831,12 +831,17 @@ impl Inner {
         let total = match &self.part_readers {
             Some(pool) if reads.len() > 1 => {
                 let mut done: Vec<Result<usize, String>> = vec![Ok(0); reads.len()];
+                // The parts this I/O thread runs itself are in its own count of the whole load already.
+                let caller = std::thread::current().id();
                 let parts = reads.into_iter().zip(done.iter_mut()).map(|((r, dst), out)| {
                     let read_one = &read_one;
                     Box::new(move || {
+                        let helper = std::thread::current().id() != caller;
                         let cpu = crate::platform::thread_cpu_time();
                         *out = read_one(r, dst);
-                        add_cpu_since(&self.counters.read_cpu_ns, cpu);
+                        if helper {
+                            add_cpu_since(&self.counters.read_cpu_ns, cpu);
+                        }
                     }) as Part<'_>
                 });
                 pool.run_all(parts.collect());
