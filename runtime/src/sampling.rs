@@ -10,7 +10,7 @@ use crate::error::{ModelError, Result};
 pub struct SamplingParams {
     /// 0 means greedy (argmax).
     pub temperature: f32,
-    /// Nucleus mass to keep, in (0, 1].
+    /// Nucleus mass to keep, in [0, 1] (0: the likeliest token only).
     pub top_p: f32,
     /// Keep the k most likely tokens; 0 disables.
     pub top_k: usize,
@@ -51,8 +51,9 @@ impl SamplingParams {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
             return bad(format!("temperature must be ≥ 0, got {}", self.temperature));
         }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return bad(format!("top_p must be in (0, 1], got {}", self.top_p));
+        // 0 keeps only the likeliest token (OpenAI takes 0 to 1).
+        if !(0.0..=1.0).contains(&self.top_p) {
+            return bad(format!("top_p must be in [0, 1], got {}", self.top_p));
         }
         if !(0.0..=1.0).contains(&self.min_p) {
             return bad(format!("min_p must be in [0, 1], got {}", self.min_p));
@@ -561,10 +562,17 @@ mod tests {
     #[test]
     fn invalid_params_are_rejected() {
         assert!(Sampler::new(SamplingParams {
-            top_p: 0.0,
+            top_p: -0.1,
             ..Default::default()
         })
         .is_err());
+        // top-p 0 keeps the likeliest token alone.
+        let mut s = sampler(SamplingParams {
+            temperature: 1.0,
+            top_p: 0.0,
+            ..Default::default()
+        });
+        assert!((0..50).all(|_| s.sample(&[0.0, 1.0, 0.9], &[], &[]) == 1));
         assert!(Sampler::new(SamplingParams {
             temperature: -1.0,
             ..Default::default()
