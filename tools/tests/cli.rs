@@ -250,7 +250,7 @@ fn bad_flags_are_rejected() {
     let dir = fixture("qwen3_moe-q4g64");
     // Each bad flag gets its own message, naming the flag and its limit.
     for (extra, want) in [
-        (&["--top-p", "0"][..], "top_p must be in (0, 1]"),
+        (&["--top-p", "1.5"][..], "top_p must be in [0, 1], got 1.5"),
         (&["--top-k", "99"], "top-k 99 must be between 1 and the model's"),
         (&["--temperature=-1"], "temperature must be ≥ 0, got -1"),
         (&["--threads", "0"], "--threads must be at least 1"),
