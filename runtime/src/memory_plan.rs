@@ -191,9 +191,10 @@ impl MemoryPlan {
             _ => machine.available,
         };
         let margin = (machine.total / 32).max(1 << 30);
-        let kv_tokens = req
-            .context
-            .unwrap_or(DEFAULT_KV_TOKENS.min(model.context_length.max(1)));
+        // A context asked for beyond the model's own is the model's: budgeting KV no sequence can use would
+        // only take the experts' room.
+        let own = model.context_length.max(1);
+        let kv_tokens = req.context.map_or(DEFAULT_KV_TOKENS.min(own), |c| c.min(own));
         let kv_per_sequence = model
             .kv_bytes_per_token
             .saturating_mul(kv_tokens as u64)
@@ -482,6 +483,17 @@ mod tests {
         assert_eq!(
             MemoryPlan::new(machine, small, &req).kv_per_sequence,
             1000 * 48 * 2 * 4 * 128 * 4
+        );
+        // One beyond the model's own context plans the model's: no sequence could use the rest.
+        let req = PlanRequest {
+            context: Some(4_000_000_000),
+            ..Default::default()
+        };
+        let p = MemoryPlan::new(machine, small, &req);
+        assert_eq!(
+            (p.kv_tokens, p.placement),
+            (small.context_length, ExpertPlacement::Resident),
+            "{p}"
         );
     }
 

@@ -15,6 +15,21 @@ pub struct QuantSpec {
     pub mode: QuantMode,
 }
 
+impl QuantSpec {
+    /// Whether the kernels take codes of this width in groups of this size (2–6 or 8 bits, whole 32-bit words
+    /// per group); the error says what is not.
+    pub fn check_widths(&self) -> Result<(), String> {
+        let (bits, group) = (self.bits, self.group_size);
+        if !matches!(bits, 2 | 3 | 4 | 5 | 6 | 8)
+            || group == 0
+            || group.checked_mul(bits as usize).is_none_or(|b| !b.is_multiple_of(32))
+        {
+            return Err(format!("{bits}-bit codes in groups of {group} are not supported"));
+        }
+        Ok(())
+    }
+}
+
 /// Quantization modes MLX writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QuantMode {

@@ -178,15 +178,10 @@ impl Weights {
             });
         }
         let (bits, group) = (spec.bits, spec.group_size);
-        if !matches!(bits, 2 | 3 | 4 | 5 | 6 | 8)
-            || group == 0
-            || group.checked_mul(bits as usize).is_none_or(|b| !b.is_multiple_of(32))
-        {
-            return Err(ModelError::UnsupportedQuant {
-                path: module.to_string(),
-                message: format!("{bits}-bit codes in groups of {group} are not supported"),
-            });
-        }
+        spec.check_widths().map_err(|message| ModelError::UnsupportedQuant {
+            path: module.to_string(),
+            message,
+        })?;
         if !cols.is_multiple_of(group) {
             return Err(bad(
                 &wname,

@@ -51,7 +51,7 @@ pub struct BenchArgs {
     seed: u64,
     /// Seconds spent on each bandwidth probe; the disk's re-reads its offsets for as long again (0: skip the
     /// probes).
-    #[arg(long, default_value_t = 3.0)]
+    #[arg(long, default_value_t = 3.0, value_parser = crate::parse_probe_seconds)]
     probe_seconds: f64,
     /// Write the routing trace (experts in the expert cache, not mmap) to this file: one `layer expert` line
     /// per distinct record each layer step asked for, in order, and a `# run phase` line (`# warm decode`)
@@ -322,6 +322,16 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         eprintln!("{}", m.memory_plan);
     }
     let top_k = a.top_k.unwrap_or(m.info.default_top_k);
+    // Each run's prompt and generation must fit the context (checked before any token stream is built).
+    let limit = m.context_limit();
+    match a.prompt_tokens.checked_add(a.gen_tokens) {
+        Some(n) if n <= limit => {}
+        _ => bail!(
+            "-p {} + -n {} tokens exceed the context limit of {limit} tokens (--ctx-size)",
+            a.prompt_tokens,
+            a.gen_tokens
+        ),
+    }
     let stream = match &a.text {
         Some(f) => {
             let text = std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;

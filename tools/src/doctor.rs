@@ -37,7 +37,7 @@ pub struct DoctorArgs {
     #[arg(long, default_value = "1G", value_parser = sluice_runtime::parse_size)]
     probe_size: u64,
     /// Seconds spent on each probe.
-    #[arg(long, default_value_t = 3.0)]
+    #[arg(long, default_value_t = 3.0, value_parser = crate::parse_probe_seconds)]
     probe_seconds: f64,
     #[command(flatten)]
     context: ContextArgs,
@@ -97,14 +97,18 @@ pub fn run(a: DoctorArgs) -> Result<()> {
     for &k in &top_ks {
         check_top_k(&size, k)?;
     }
+    // Before any probe: the kernels must take the config's code widths (loading would refuse them too).
+    if let Some(Err(e)) = config.quant.default.map(|s| s.check_widths()) {
+        bail!("{}: quantization: {e}", config_path.display());
+    }
     let machine = MachineMemory::probe();
     let plan = MemoryPlan::new(machine, size.footprint, &PlanRequest::from_options(&opts));
     let time = Duration::from_secs_f64(a.probe_seconds.max(0.1));
     if !a.json {
         eprintln!(
-            "probing: the disk under {}, DRAM, and the matvec kernel ({:.0} s each)…",
+            "probing: the disk under {}, DRAM, and the matvec kernel ({:.1} s each)…",
             a.disk.display(),
-            a.probe_seconds
+            time.as_secs_f64()
         );
     }
     let probes = MachineProbes {

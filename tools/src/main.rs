@@ -139,6 +139,15 @@ pub(crate) struct ContextArgs {
     pub(crate) ctx_size: Option<usize>,
 }
 
+/// A `--probe-seconds` value: finite, from 0 to an hour.
+pub(crate) fn parse_probe_seconds(s: &str) -> std::result::Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(x) if (0.0..=3600.0).contains(&x) => Ok(x),
+        Ok(x) => Err(format!("must be between 0 and 3600 seconds, got {x}")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// A `--ctx-size` value: a whole number of tokens, at least 1.
 fn parse_ctx_size(s: &str) -> std::result::Result<usize, String> {
     match s.trim().parse::<usize>() {
@@ -239,7 +248,11 @@ fn generate(a: GenerateArgs) -> Result<()> {
             eprintln!("{}", d.summary());
         }
     }
-    Ok(())
+    // A closed pipe ended the text on purpose; any other failure to write it (a full disk) is an error.
+    match write_failed {
+        Some(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e).context("writing the generated text"),
+        _ => Ok(()),
+    }
 }
 
 /// Refuses `--threads 0` (rayon would read it as "all cores").

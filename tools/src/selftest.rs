@@ -38,7 +38,7 @@ pub struct SelftestArgs {
     #[arg(long)]
     bench_dir: Option<PathBuf>,
     /// Seconds spent on each bandwidth probe.
-    #[arg(long, default_value_t = 2.0)]
+    #[arg(long, default_value_t = 2.0, value_parser = crate::parse_probe_seconds)]
     probe_seconds: f64,
     /// Compute threads (default: all cores).
     #[arg(short = 't', long, env = "SLUICE_THREADS")]

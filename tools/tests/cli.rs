@@ -246,6 +246,42 @@ fn prompt_longer_than_the_context_names_the_limit() {
 }
 
 #[test]
+#[cfg(target_os = "linux")]
+fn a_failed_write_of_the_text_is_an_error_and_a_closed_pipe_is_not() {
+    let dir = fixture("qwen3_moe-q4g64");
+    let args = [
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "-n",
+        "4",
+    ];
+    let full = std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(args)
+        .stdout(full)
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("writing the generated text"),
+        "{err}"
+    );
+    // A reader that leaves (`| head`) ends the text quietly.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+}
+
+#[test]
 fn bad_flags_are_rejected() {
     let dir = fixture("qwen3_moe-q4g64");
     // Each bad flag gets its own message, naming the flag and its limit.

@@ -207,4 +207,36 @@ fn doctor_sizes_plans_and_forecasts_from_a_config() {
     .unwrap();
     let err = fails(&["doctor", "--config", bad.path().to_str().unwrap()]);
     assert!(err.contains("llama"), "{err}");
+    // Code widths the kernels do not take are refused before any probe (a 0-bit probe matrix panicked).
+    let mut v: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("qwen3_moe-q4g64").join("config.json")).unwrap())
+            .unwrap();
+    v["quantization"]["bits"] = 0.into();
+    std::fs::write(bad.path().join("config.json"), v.to_string()).unwrap();
+    let err = fails(&[
+        "doctor",
+        "--config",
+        bad.path().to_str().unwrap(),
+        "--probe-seconds",
+        "0.2",
+    ]);
+    assert!(err.contains("0-bit codes in groups of 64 are not supported"), "{err}");
+    // A probe time that is not a finite number of seconds is refused by the flag.
+    let model = fixture("qwen3_moe-q4g64");
+    for cmd in ["doctor", "bench"] {
+        let flag = if cmd == "doctor" { "--config" } else { "--model" };
+        let err = fails(&[cmd, flag, model.to_str().unwrap(), "--probe-seconds", "inf"]);
+        assert!(err.contains("between 0 and 3600 seconds"), "{cmd}: {err}");
+    }
+    // A bench whose prompt and generation cannot fit the context says so before building them.
+    let err = fails(&[
+        "bench",
+        "-m",
+        model.to_str().unwrap(),
+        "-p",
+        "18446744073709551615",
+        "-n",
+        "1",
+    ]);
+    assert!(err.contains("exceed the context limit"), "{err}");
 }
