@@ -126,8 +126,9 @@ pub fn run(a: EvalArgs) -> Result<()> {
     let mut rows = Vec::new();
     for q in quality {
         let speed = if a.decode_tokens > 0 {
-            // A short prompt, then the text's next tokens one at a time: bench's decode measurement.
-            let prompt = 16.min(ids.len().saturating_sub(2)).max(1);
+            // A short prompt, then the text's next tokens one at a time: bench's decode measurement. A small
+            // --ctx leaves room for some decode tokens after it.
+            let prompt = (16.min(ids.len().saturating_sub(2))).min(m.context_limit() / 2).max(1);
             let n = a
                 .decode_tokens
                 .min(ids.len() - prompt)

@@ -101,6 +101,25 @@ fn eval_rejects_bad_input_cleanly() {
     assert!(err.contains("fewer than one window"), "{err}");
     let err = fails(&["eval", "--model", m, "--text", "/nonexistent/text.txt"]);
     assert!(err.contains("/nonexistent/text.txt"), "{err}");
+    // A window shorter than the decode measurement's prompt still measures decode (it failed the whole run).
+    let (out, _) = ok(&[
+        "eval",
+        "--model",
+        m,
+        "--text",
+        t,
+        "--ctx",
+        "8",
+        "--windows",
+        "1",
+        "--top-k",
+        "4",
+        "--decode-tokens",
+        "2",
+        "--json",
+    ]);
+    let r: Value = serde_json::from_str(&out).unwrap();
+    assert!(r["rows"][0]["decode_tok_s"].as_f64().unwrap() > 0.0, "{r}");
 }
 
 #[test]

@@ -294,6 +294,11 @@ fn size_picks_the_layer_count_and_existing_dirs_need_force() {
     let err = String::from_utf8_lossy(&refused.stderr);
     assert!(!refused.status.success() && err.contains("not empty") && err.contains("--force") && err.contains(o));
     assert_eq!(dir_bytes(&out), before);
+    // --layers and --size both set the layer count: asking for both is an error, not one silently winning.
+    let both = sluice(&[
+        "synth", "--shape", "bench-7b", "-o", o, "--layers", "2", "--size", "1G", "--force",
+    ]);
+    assert!(!both.status.success() && String::from_utf8_lossy(&both.stderr).contains("cannot be used with"));
     let bad = sluice(&["synth", "--shape", "gpt-9", "-o", o]);
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown shape"));

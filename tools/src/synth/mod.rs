@@ -43,7 +43,7 @@ pub struct SynthArgs {
     #[arg(short = 'o', long)]
     out: PathBuf,
     /// Override the layer count.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "size")]
     layers: Option<usize>,
     /// Override the experts per layer.
     #[arg(long)]
