@@ -117,7 +117,13 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .init();
-    match Cli::parse().command {
+    let command = Cli::parse().command;
+    // Report commands end quietly when their reader leaves (`| head`); `generate` stops its text itself, and a
+    // server must outlive its clients.
+    if !matches!(command, Command::Generate(_) | Command::Serve(_)) {
+        expert_store::platform::exit_quietly_on_closed_pipe();
+    }
+    match command {
         Command::Generate(args) => generate(args),
         Command::Serve(args) => serve::run(args),
         Command::Convert(args) => store_cmds::convert(args),

@@ -259,6 +259,20 @@ pub fn thread_cpu_time() -> Option<std::time::Duration> {
     None
 }
 
+/// Lets a write to a closed pipe end the process quietly, as command-line tools do (`sluice doctor | head`),
+/// where Rust's runtime ignores SIGPIPE and `println!` then panics on the failed write. For commands whose
+/// output is a report; never for a server, whose writes to a vanished client must fail, not end it.
+pub fn exit_quietly_on_closed_pipe() {
+    #[cfg(unix)]
+    {
+        use nix::libc;
+        // SAFETY: restores SIGPIPE's default disposition; no handler of ours runs, no memory is touched.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
+}
+
 /// Unmaps a mapping made by [`map_zeroed`].
 ///
 /// # Safety
