@@ -45,7 +45,8 @@ impl SlotBuf {
         let used = len.checked_mul(count.max(1))?;
         let total = used.checked_add(ARENA_ALIGN)?;
         let ptr = crate::platform::map_zeroed(total)?;
-        let start = ptr.as_ptr().align_offset(ARENA_ALIGN);
+        // From the address itself: `align_offset` may answer `usize::MAX`, and slot offsets depend on it.
+        let start = (ARENA_ALIGN - ptr.as_ptr() as usize % ARENA_ALIGN) % ARENA_ALIGN;
         let arena = Arc::new(Arena { ptr, len: total });
         Some(
             (0..count)

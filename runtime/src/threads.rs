@@ -87,7 +87,13 @@ impl Job<'_> {
         for i in mine.chain(stolen) {
             if let Err(p) = catch_unwind(AssertUnwindSafe(|| (self.run)(i))) {
                 let mut slot = self.panic.lock().unwrap_or_else(|e| e.into_inner());
-                slot.get_or_insert(p);
+                if slot.is_none() {
+                    *slot = Some(p);
+                } else {
+                    // A later panic's payload is dropped here, and its `Drop` may panic too: caught, so this
+                    // never unwinds while the job is published (the poster would free it under the pollers).
+                    let _ = catch_unwind(AssertUnwindSafe(move || drop(p)));
+                }
             }
             self.finished.fetch_add(1, Ordering::Release);
         }
@@ -289,6 +295,38 @@ pub fn parallel_map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A panic payload whose `Drop` panics too, while armed.
+    struct Bomb;
+    static ARMED: AtomicBool = AtomicBool::new(false);
+    impl Drop for Bomb {
+        fn drop(&mut self) {
+            if ARMED.load(Ordering::SeqCst) {
+                panic!("a payload's drop panicked");
+            }
+        }
+    }
+
+    #[test]
+    fn a_payload_whose_drop_panics_neither_hangs_nor_unwinds_a_step() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let pool = join_compute_pool(Some(2)).unwrap();
+            ARMED.store(true, Ordering::SeqCst);
+            // Every task panics with a bomb: the first is kept for the caller, the others dropped in the tasks.
+            let caught = std::panic::catch_unwind(|| {
+                with_workers_awake(|| parallel_map(&[0u8; 64], |_| std::panic::panic_any(Bomb)))
+            });
+            ARMED.store(false, Ordering::SeqCst);
+            let first_kept = caught.err().is_some_and(|p| p.is::<Bomb>());
+            // The pool still serves the next step.
+            let sum: u64 = with_workers_awake(|| parallel_map(&[1u64; 64], |x| *x)).iter().sum();
+            drop(pool);
+            let _ = tx.send((first_kept, sum));
+        });
+        let got = rx.recv_timeout(std::time::Duration::from_secs(30));
+        assert_eq!(got.ok(), Some((true, 64)), "the step hung or lost its panic");
+    }
 
     #[test]
     fn the_joining_thread_is_worker_zero_and_parallel_work_spreads() {

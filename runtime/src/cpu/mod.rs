@@ -136,16 +136,29 @@ pub enum MatRef<'a> {
     Tiled(TiledMatrix<'a>),
 }
 
-/// Instruction sets the kernels can use.
+/// Instruction sets the kernels can use. Outside this crate the SIMD ones come only from [`Isa::detect`] and
+/// [`Isa::available`] (their variants cannot be built there): their kernels run unchecked instructions, so an
+/// `Isa` is a proof that this CPU has them.
+///
+/// ```compile_fail
+/// let _ = sluice_runtime::cpu::Isa::Avx512;
+/// ```
+/// ```
+/// use sluice_runtime::cpu::Isa;
+/// assert!(Isa::available().contains(&Isa::Scalar) && Isa::available().contains(&Isa::detect()));
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
     /// Portable scalar code.
     Scalar,
     /// x86-64 AVX2 + FMA (+ F16C, which every AVX2 CPU has).
+    #[non_exhaustive]
     Avx2,
     /// x86-64 AVX-512F (unpacking uses AVX2).
+    #[non_exhaustive]
     Avx512,
     /// AArch64 NEON.
+    #[non_exhaustive]
     Neon,
 }
 

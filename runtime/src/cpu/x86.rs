@@ -166,6 +166,8 @@ pub(super) struct RowArgs<'a> {
 pub(super) fn fused_row(avx512: bool, bits: u32, a: &RowArgs<'_>) -> f32 {
     let cols = a.xp.len();
     let groups = cols / a.group.max(1);
+    // The kernels below are 4-bit and 8-bit: any other width would read past a row of its own size.
+    assert!(matches!(bits, 4 | 8), "4- or 8-bit codes");
     assert!(a.packed.len() * 8 >= cols * bits as usize, "row bounds");
     assert!(
         a.xsum.len() >= groups && a.scales.len() >= groups && a.biases.len() >= groups,
@@ -426,6 +428,12 @@ pub(super) fn q8_rows(
     let cols = a.cols;
     let groups = cols / a.group;
     let lanes = cols / k.lane_cols();
+    // Row-major 4- and 8-bit kernels only: band and tiled matrices have their own entry points, whose lane
+    // scales this one's bounds would not cover.
+    assert!(
+        matches!(k.bits, 4 | 8) && !k.band && !k.tiled,
+        "a row-major 4- or 8-bit kernel"
+    );
     assert!(
         cols.is_multiple_of(k.chunk()) && matches!(a.group, 32 | 64 | 128) && cols.is_multiple_of(a.group),
         "kernel shape"
