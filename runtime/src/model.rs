@@ -524,6 +524,21 @@ impl DecoderModel {
         self.runner.new_cache()
     }
 
+    /// Refuses a `--top-k` (experts per token) this model cannot take: outside 1..=its experts, or any on a
+    /// model without routed experts (where it would change nothing).
+    pub fn check_top_k(&self, top_k: Option<usize>) -> Result<()> {
+        let experts = self.info.num_experts;
+        match top_k {
+            Some(_) if experts == 0 => Err(ModelError::InvalidArgument(
+                "--top-k sets experts per token, and this model has no routed experts".into(),
+            )),
+            Some(k) if k == 0 || k > experts => Err(ModelError::InvalidArgument(format!(
+                "--top-k {k} must be between 1 and the model's {experts} experts"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     /// Runs `tokens` after the cached positions; returns logits `[m, vocab]`, m = tokens or 1. On error the
     /// cache is as it was.
     pub fn forward(&self, tokens: &[u32], cache: &mut KvCache, opts: &ForwardOptions) -> Result<Vec<f32>> {

@@ -102,13 +102,11 @@ pub async fn serve(
         // The load runs on; the process is on its way out.
         () = stopped() => return Ok(()),
     };
+    pipeline
+        .model
+        .check_top_k(cfg.top_k)
+        .map_err(|e| ServeError::Load(e.to_string()))?;
     let top_k = cfg.top_k.unwrap_or(pipeline.model.info.default_top_k);
-    let experts = pipeline.model.info.num_experts;
-    if experts > 0 && (top_k == 0 || top_k > experts) {
-        return Err(ServeError::Load(format!(
-            "--top-k {top_k} must be between 1 and the model's {experts} experts"
-        )));
-    }
     // The plan's, not the model's: KV beyond what the plan budgets would take the experts' room.
     let context_length = pipeline.model.context_limit();
     // The slot memory the engine really holds (resident or streamed); 0 when experts are mmap'd.

@@ -297,6 +297,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
     opts.prefill_chunk = a.prefill.chunk()?;
     let started = Instant::now();
     let mut p = Pipeline::load_with(&a.model, &opts).with_context(|| format!("loading {}", a.model.display()))?;
+    p.model.check_top_k(a.top_k)?;
     let load_seconds = started.elapsed().as_secs_f64();
     // The pass asked for or the plan's own, as the plan budgets it.
     let chunk = p.model.memory_plan.prefill_chunk;

@@ -211,6 +211,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     opts.prefill_chunk = prefill_chunk;
     let pipeline =
         Pipeline::load_with(&a.model, &opts).with_context(|| format!("loading the model in {}", a.model.display()))?;
+    pipeline.model.check_top_k(a.top_k)?;
     if a.engine.verbose {
         eprintln!("{}", pipeline.model.memory_plan);
     }

@@ -295,6 +295,9 @@ fn bad_flags_are_rejected() {
         let err = fails(&dir, extra);
         assert!(err.contains(want), "{extra:?}: expected `{want}` in: {err}");
     }
+    // A dense model has no experts per token to set.
+    let err = fails(&fixture("brown-qwen3-q4g64"), &["--top-k", "2"]);
+    assert!(err.contains("no routed experts"), "{err}");
     let out = sluice(&["generate", "--model", dir.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(2), "clap usage error");
     let err = fails(&dir, &["--backend", "gpu"]);
