@@ -124,19 +124,31 @@ pub fn run(a: DoctorArgs) -> Result<()> {
         call_seconds,
         ..probes
     };
-    // The OS page cache holds expert records too, unless reads bypass it: what the plan leaves free.
-    let used = plan.fixed_bytes().saturating_add(plan.expert_cache);
-    let page_cache = if plan.placement == ExpertPlacement::Resident || plan.direct_io {
-        0
-    } else {
-        plan.limit
-            .saturating_sub(used)
-            .min(size.expert_bytes.saturating_sub(plan.expert_cache))
+    // The OS page cache holds expert records too, unless reads bypass it: what the plan leaves free. Mapped
+    // experts live in it alone (the plan names all of them, which only the page cache's room can hold).
+    let room = plan.limit.saturating_sub(plan.fixed_bytes());
+    let (slot_cache, page_cache) = match plan.placement {
+        ExpertPlacement::Resident => (plan.expert_cache, 0),
+        ExpertPlacement::Mmap => (0, room.min(size.expert_bytes)),
+        ExpertPlacement::Stream if plan.direct_io => (plan.expert_cache, 0),
+        ExpertPlacement::Stream => (
+            plan.expert_cache,
+            (room.saturating_sub(plan.expert_cache)).min(size.expert_bytes.saturating_sub(plan.expert_cache)),
+        ),
+    };
+    let cache_plan = MemoryPlan {
+        expert_cache: slot_cache,
+        ..plan
+    };
+    // Resident experts must fit beside everything else, not only the rest.
+    let needed = match plan.placement {
+        ExpertPlacement::Resident => plan.fixed_bytes().saturating_add(plan.expert_cache),
+        _ => plan.fixed_bytes(),
     };
     let k_of = |k: usize| if k == 0 { size.top_k } else { k };
     let report = Report {
         config: config_path.display().to_string(),
-        fits: plan.fixed_bytes() <= plan.limit,
+        fits: needed <= plan.limit,
         placement: format!("{:?}", plan.placement).to_lowercase(),
         expert_cache: plan.expert_cache,
         page_cache_for_experts: page_cache,
@@ -145,11 +157,11 @@ pub fn run(a: DoctorArgs) -> Result<()> {
         kernels: sluice_runtime::cpu::kernel_summary(),
         warm: top_ks
             .iter()
-            .map(|&k| forecast(&size, &plan, &probes, opts.io_depth, k_of(k), false, page_cache))
+            .map(|&k| forecast(&size, &cache_plan, &probes, opts.io_depth, k_of(k), false, page_cache))
             .collect(),
         cold: top_ks
             .iter()
-            .map(|&k| forecast(&size, &plan, &probes, opts.io_depth, k_of(k), true, 0))
+            .map(|&k| forecast(&size, &cache_plan, &probes, opts.io_depth, k_of(k), true, 0))
             .collect(),
         size,
         probes,

@@ -5,7 +5,7 @@
 mod common;
 
 use common::{fixture, ok, sluice};
-use serde_json::Value;
+use serde_json::{json, Value};
 
 fn fails(args: &[&str]) -> String {
     let out = sluice(args);
@@ -215,6 +215,36 @@ fn doctor_sizes_plans_and_forecasts_from_a_config() {
     assert!(w["hit_rate"].as_f64().unwrap() < 1.0, "{w}");
     assert_eq!(c["hit_rate"], 0.0);
     assert!(c["tok_s"].as_f64() <= w["tok_s"].as_f64());
+
+    // A model far bigger than memory, its experts forced resident or mapped: resident does not fit, and mapped
+    // ones are cached only as far as the page cache has room.
+    let big = tempfile::tempdir().unwrap();
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    for (k, n) in [
+        ("num_hidden_layers", 500),
+        ("num_experts", 128),
+        ("hidden_size", 4096),
+        ("moe_intermediate_size", 1536),
+    ] {
+        v[k] = n.into();
+    }
+    std::fs::write(big.path().join("config.json"), v.to_string()).unwrap();
+    let big_args = |mode: &str| {
+        let mut a = args(&["--experts", mode]);
+        a[2] = big.path().to_string_lossy().into_owned();
+        a
+    };
+    let (out, _) = ok(&big_args("resident").iter().map(String::as_str).collect::<Vec<_>>());
+    let r: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (&r["placement"], &r["fits"]),
+        (&json!("resident"), &json!(false)),
+        "{r}"
+    );
+    let (out, _) = ok(&big_args("mmap").iter().map(String::as_str).collect::<Vec<_>>());
+    let r: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(r["placement"], "mmap", "{r}");
+    assert!(r["warm"][0]["hit_rate"].as_f64().unwrap() < 0.5, "{r}");
 
     let err = fails(&["doctor", "--config", "/nonexistent/config.json"]);
     assert!(err.contains("/nonexistent/config.json"), "{err}");
