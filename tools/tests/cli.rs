@@ -5,6 +5,8 @@ use std::process::{Command, Output};
 
 use sluice_runtime::{GenerateParams, Pipeline, Prompt};
 
+mod common;
+
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures").join(name)
 }
@@ -270,14 +272,7 @@ fn a_failed_write_of_the_text_is_an_error_and_a_closed_pipe_is_not() {
         "{err}"
     );
     // A reader that leaves (`| head`) ends the text quietly.
-    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(args)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    drop(child.stdout.take());
-    let out = child.wait_with_output().unwrap();
+    let out = common::with_reader_gone(&args);
     assert!(out.status.success(), "{}", text(&out.stderr));
 }
 

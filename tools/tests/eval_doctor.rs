@@ -278,22 +278,15 @@ fn doctor_sizes_plans_and_forecasts_from_a_config() {
         assert!(err.contains("between 0 and 3600 seconds"), "{cmd}: {err}");
     }
     // A reader that leaves early (`| head`) ends the report quietly, not with a panic on the failed write.
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args([
-            "doctor",
-            "--config",
-            model.to_str().unwrap(),
-            "--probe-seconds",
-            "0.1",
-            "--probe-size",
-            "8M",
-        ])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    drop(child.stdout.take());
-    let out = child.wait_with_output().unwrap();
+    let out = common::with_reader_gone(&[
+        "doctor",
+        "--config",
+        model.to_str().unwrap(),
+        "--probe-seconds",
+        "0.1",
+        "--probe-size",
+        "8M",
+    ]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!err.contains("panicked"), "{err}");
     // A bench whose prompt and generation cannot fit the context says so before building them.

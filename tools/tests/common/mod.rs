@@ -2,7 +2,7 @@
 #![allow(dead_code)] // each test binary uses a subset
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 
 /// A committed fixture model directory.
 pub fn fixture(name: &str) -> PathBuf {
@@ -23,4 +23,17 @@ pub fn ok(args: &[&str]) -> (String, String) {
     );
     assert!(out.status.success(), "{args:?} failed: {e}");
     (o, e)
+}
+
+/// Runs the binary with `args` and a stdout whose reader has already left (`sluice ... | head` once `head`
+/// is done).
+pub fn with_reader_gone(args: &[&str]) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    child.wait_with_output().unwrap()
 }
