@@ -1246,14 +1246,6 @@ impl ExpertSource for StreamingSource {
         inner.drop_queued_prefetches(&mut st, layer, experts);
         for &e in experts {
             let key = (layer, e);
-            // A record whose earlier read failed may be guessed again.
-            if st
-                .entries
-                .peek_mut(&key)
-                .is_some_and(|en| matches!(en.state, SlotState::Failed(_)))
-            {
-                st.entries.pop(&key);
-            }
             if inner.table.record(layer, e).is_none() || st.entries.contains(&key) {
                 continue;
             }

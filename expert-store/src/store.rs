@@ -495,7 +495,9 @@ pub fn convert(
     // the old manifest over the new data (same length when only the layout changed, so it would open).
     match std::fs::remove_file(&mpath) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io_err(&mpath)(e)),
-        _ => {}
+        Err(_) => {}
+        // On disk before the rename too, or a power loss could keep the rename and lose the removal.
+        Ok(()) => File::open(out).and_then(|d| d.sync_all()).map_err(io_err(out))?,
     }
     std::fs::rename(&tmp, &data).map_err(io_err(&data))?;
     let manifest = Manifest {

@@ -180,22 +180,22 @@ impl RopeScaling {
     }
 }
 
-/// The context a model serves: `max_position_embeddings`, or what its rope scaling extends it to (linear and
-/// YaRN: `factor` × the original context, as vLLM derives it; never less than `max_position_embeddings`).
+/// The context a model serves: `max_position_embeddings`, or what its rope scaling extends it to (linear:
+/// `factor` × it; YaRN: `factor` × `original_max_position_embeddings`, as vLLM derives it, and without that
+/// field no extension, since the rope's own default for it is mlx-lm's 4096); never less than
+/// `max_position_embeddings`.
 pub fn context_length(max_position_embeddings: usize, scaling: Option<&RopeScaling>) -> usize {
     let Some(s) = scaling else {
         return max_position_embeddings;
     };
     let factor = s.factor.filter(|f| f.is_finite() && *f > 1.0);
-    let scaled = match (s.kind(), factor) {
-        ("linear" | "yarn", Some(f)) => {
-            let original = (s.original_max_position_embeddings)
-                .filter(|o| o.is_finite() && *o > 0.0)
-                .unwrap_or(max_position_embeddings as f64);
-            (original * f).min(u32::MAX as f64) as usize
-        }
-        _ => 0,
+    let original = (s.original_max_position_embeddings).filter(|o| o.is_finite() && *o > 0.0);
+    let scaled = match (s.kind(), factor, original) {
+        ("linear", Some(f), _) => max_position_embeddings as f64 * f,
+        ("yarn", Some(f), Some(o)) => o * f,
+        _ => 0.0,
     };
+    let scaled = scaled.min(u32::MAX as f64) as usize;
     max_position_embeddings.max(scaled)
 }
 
@@ -251,6 +251,11 @@ mod tests {
         );
         assert_eq!(
             context_length(4096, Some(&scaling(r#"{"type":"mrope","factor":4.0}"#))),
+            4096
+        );
+        // YaRN without its original context does not extend (the rope assumes mlx-lm's 4096 for it).
+        assert_eq!(
+            context_length(4096, Some(&scaling(r#"{"type":"yarn","factor":4.0}"#))),
             4096
         );
         // Through a whole config: the block in `rope_parameters` too.

@@ -85,7 +85,7 @@ pub(crate) fn open_source(
     // What the slots take to hold every record: a slot per record, each as long as the longest (records of
     // mixed-precision layers differ; packed ones are padded), aligned. Planning on the records' own sizes
     // instead would let a resident arena outgrow its plan (by ~2 GB on a mixed 3/6-bit 30B).
-    let every_record = table.len() as u64 * (table.max_slot_len().next_multiple_of(expert_store::SLOT_ALIGN) as u64);
+    let every_record = slot_arena_bytes(table.len() as u64, table.max_slot_len() as u64);
     footprint.expert_bytes = every_record;
     let plan = MemoryPlan {
         direct_io: direct,
@@ -120,6 +120,12 @@ pub(crate) fn open_source(
         plan,
         rewritten,
     })
+}
+
+/// Bytes of the slots that hold `records` expert records at once, each slot as long as the `longest` record,
+/// aligned: what resident experts take, and what the plan counts for them.
+pub(crate) fn slot_arena_bytes(records: u64, longest: u64) -> u64 {
+    records.saturating_mul(longest.next_multiple_of(expert_store::SLOT_ALIGN as u64))
 }
 
 /// The record table, read directly when `direct`; under `--io auto` a filesystem that refuses direct reads

@@ -97,6 +97,8 @@ pub fn size_from_config(config: &ModelConfig, index_total: Option<u64>, kv_bytes
     // Bytes a decode step reads from resident weights, bytes of vectors, kernel calls outside the experts.
     let (mut per_token, mut vectors, mut calls) = (0u64, 0u64, 0usize);
     let (mut all_experts, mut moe_layers, mut num_experts) = (0u64, 0usize, 0usize);
+    // Records of every MoE layer, and the longest (mixed-precision layers differ).
+    let (mut records, mut longest) = (0u64, 0u64);
     for (i, ffn) in arch.ffn.iter().enumerate() {
         vectors += 2 * h as u64 * fb;
         let linear = d.hybrid.as_ref().is_some_and(|x| x.linear[i]);
@@ -146,6 +148,8 @@ pub fn size_from_config(config: &ModelConfig, index_total: Option<u64>, kv_bytes
                         + mat(&l("shared_expert_gate"), 1, h)
                 };
                 all_experts += *e as u64 * record;
+                records += *e as u64;
+                longest = longest.max(record);
                 per_token += mat(&l("gate"), *e, h) + shared.map_or(0, sh);
                 calls += 1 + shared.map_or(0, |_| 4);
             }
@@ -169,13 +173,15 @@ pub fn size_from_config(config: &ModelConfig, index_total: Option<u64>, kv_bytes
             resident = (resident as f64 * f) as u64;
             read = (read as f64 * f) as u64;
             all_experts = (all_experts as f64 * f) as u64;
+            longest = (longest as f64 * f) as u64;
         }
     }
     let expert_bytes = all_experts;
     let record = all_experts / (moe_layers * num_experts).max(1) as u64;
     let mut footprint = crate::models::footprint(&arch, kv_bytes);
     footprint.resident_weights = resident;
-    footprint.expert_bytes = expert_bytes;
+    // Planned as the loader plans them: the slots every record would take.
+    footprint.expert_bytes = crate::expert_source::slot_arena_bytes(records, longest);
     Ok(ModelSize {
         model_type: config.model_type.clone(),
         layers: d.layers,

@@ -138,13 +138,7 @@ impl Pipeline {
                 ids.len()
             )));
         }
-        let vocab = self.model.info.vocab_size;
-        if let Some(id) = ids.iter().find(|&&id| id as usize >= vocab) {
-            return Err(ModelError::InvalidArgument(format!(
-                "token id {id} is outside the vocabulary of {vocab}"
-            )));
-        }
-        Ok(())
+        crate::model::check_vocabulary(ids, self.model.info.vocab_size)
     }
 
     /// The context a request may fill: a request may lower the planned limit, never raise it.

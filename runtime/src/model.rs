@@ -164,19 +164,10 @@ impl<B: Backend> Model<B> {
             )));
         }
         let k = opts.top_k.unwrap_or(info.default_top_k);
-        if info.num_experts > 0 && (k == 0 || k > info.num_experts) {
-            return Err(ModelError::InvalidArgument(format!(
-                "top-k {k} must be between 1 and the model's {} experts",
-                info.num_experts
-            )));
+        if info.num_experts > 0 {
+            check_top_k_range(k, info.num_experts)?;
         }
-        if let Some(id) = tokens.iter().find(|&&id| id as usize >= info.vocab_size) {
-            // A bad argument, not a limit: a server answers it as a bad prompt, not as a context overflow.
-            return Err(ModelError::InvalidArgument(format!(
-                "token id {id} is outside the vocabulary of {}",
-                info.vocab_size
-            )));
-        }
+        check_vocabulary(tokens, info.vocab_size)?;
         Ok(k)
     }
 
@@ -503,6 +494,27 @@ impl<B: Backend> Runner for Model<B> {
     }
 }
 
+/// Refuses `k` experts per token outside 1..=`experts`.
+fn check_top_k_range(k: usize, experts: usize) -> Result<()> {
+    if k == 0 || k > experts {
+        return Err(ModelError::InvalidArgument(format!(
+            "--top-k {k} must be between 1 and the model's {experts} experts"
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses a token id outside a vocabulary of `vocab`: a bad argument, not a limit (a server answers it as a bad
+/// prompt, not as a context overflow).
+pub(crate) fn check_vocabulary(tokens: &[u32], vocab: usize) -> Result<()> {
+    match tokens.iter().find(|&&id| id as usize >= vocab) {
+        Some(id) => Err(ModelError::InvalidArgument(format!(
+            "token id {id} is outside the vocabulary of {vocab}"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// A loaded model on its backend: what generate, serve and bench run.
 pub struct DecoderModel {
     /// Model facts.
@@ -527,15 +539,12 @@ impl DecoderModel {
     /// Refuses a `--top-k` (experts per token) this model cannot take: outside 1..=its experts, or any on a
     /// model without routed experts (where it would change nothing).
     pub fn check_top_k(&self, top_k: Option<usize>) -> Result<()> {
-        let experts = self.info.num_experts;
         match top_k {
-            Some(_) if experts == 0 => Err(ModelError::InvalidArgument(
+            Some(_) if self.info.num_experts == 0 => Err(ModelError::InvalidArgument(
                 "--top-k sets experts per token, and this model has no routed experts".into(),
             )),
-            Some(k) if k == 0 || k > experts => Err(ModelError::InvalidArgument(format!(
-                "--top-k {k} must be between 1 and the model's {experts} experts"
-            ))),
-            _ => Ok(()),
+            Some(k) => check_top_k_range(k, self.info.num_experts),
+            None => Ok(()),
         }
     }
 

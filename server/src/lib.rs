@@ -47,7 +47,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(api::health))
         .route("/metrics", get(api::metrics))
         .route("/v1/models", get(api::models))
-        .route("/v1/models/{id}", get(api::model))
+        // Hugging Face-style ids have a slash (`Qwen/Qwen3-30B-A3B`), and clients send them unencoded.
+        .route("/v1/models/{*id}", get(api::model))
         .route("/v1/chat/completions", post(api::chat))
         .route("/v1/completions", post(api::completions))
         .fallback(|| async { api::ApiError::not_found() })

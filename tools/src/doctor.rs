@@ -140,15 +140,10 @@ pub fn run(a: DoctorArgs) -> Result<()> {
         expert_cache: slot_cache,
         ..plan
     };
-    // Resident experts must fit beside everything else, not only the rest.
-    let needed = match plan.placement {
-        ExpertPlacement::Resident => plan.fixed_bytes().saturating_add(plan.expert_cache),
-        _ => plan.fixed_bytes(),
-    };
     let k_of = |k: usize| if k == 0 { size.top_k } else { k };
     let report = Report {
         config: config_path.display().to_string(),
-        fits: needed <= plan.limit,
+        fits: plan.fits(),
         placement: format!("{:?}", plan.placement).to_lowercase(),
         expert_cache: plan.expert_cache,
         page_cache_for_experts: page_cache,
@@ -275,9 +270,16 @@ fn print_report(r: &Report, plan: &MemoryPlan) {
     print!("{plan}");
     println!();
     if !r.fits {
-        println!(
-            "does NOT fit: the resident weights, KV, prefill activations and margin alone exceed the memory limit"
-        );
+        let what = match plan.placement {
+            ExpertPlacement::Resident => {
+                "the resident experts, with the other weights, KV, prefill activations and margin,"
+            }
+            ExpertPlacement::Stream if plan.fixed_bytes() <= plan.limit => {
+                "the expert cache asked for, with the resident weights, KV, prefill activations and margin,"
+            }
+            _ => "the resident weights, KV, prefill activations and margin alone",
+        };
+        println!("does NOT fit: {what} exceed the memory limit");
     } else {
         println!(
             "fits: experts {}{}",

@@ -288,7 +288,11 @@ fn doctor_sizes_plans_and_forecasts_from_a_config() {
         "8M",
     ]);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!err.contains("panicked"), "{err}");
+    // It got as far as its report (the probes ran), and the failed write did not panic.
+    assert!(
+        err.contains("probing") && !err.contains("panicked") && !err.contains("Error"),
+        "{err}"
+    );
     // A bench whose prompt and generation cannot fit the context says so before building them.
     let err = fails(&[
         "bench",
