@@ -6,26 +6,40 @@ mod common;
 
 use common::fixtures;
 
+use std::sync::{RwLock, RwLockReadGuard};
+
 use rand::{Rng, SeedableRng};
 use sluice_runtime::cpu::q8::{has_kernel, quantize_block, reference_row, set_q8_activations, BLOCK};
 use sluice_runtime::cpu::{pack_codes, FloatType, Isa, MatRef, QuantMatrix};
 use sluice_runtime::{load_model, ForwardOptions};
 
+/// The kernel switch is process-wide and the tests run side by side: each holds this for reading while it
+/// computes with the int8 kernels on, and the one that turns them off for a moment holds it for writing, so no
+/// test computes with them off (a race that failed `tiled_matmul_matches_the_int8_oracle` once in CI).
+static SWITCH: RwLock<()> = RwLock::new(());
+
+/// The int8 kernels on, and kept on while the guard lives.
+fn q8_on() -> RwLockReadGuard<'static, ()> {
+    let guard = SWITCH.read().unwrap_or_else(|e| e.into_inner());
+    set_q8_activations(true);
+    guard
+}
+
 #[test]
 fn matmul_many_equals_each_matrix_alone_with_the_int8_kernels() {
-    set_q8_activations(true);
+    let _on = q8_on();
     common::assert_matmul_many_equals_each_alone();
 }
 
 #[test]
 fn a_long_prompt_in_token_blocks_equals_its_tokens_alone_with_the_int8_kernels() {
-    set_q8_activations(true);
+    let _on = q8_on();
     common::assert_long_prompts_equal_their_tokens_alone();
 }
 
 #[test]
 fn matmul_matches_the_int8_oracle_for_every_shape() {
-    set_q8_activations(true);
+    let _on = q8_on();
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     for &(bits, group, rows, cols, n) in &[
         (4u32, 64usize, 37usize, 256usize, 1usize),
@@ -80,7 +94,7 @@ fn tiled_matmul_matches_the_int8_oracle() {
     use sluice_runtime::cpu::q8::tiled_kernel_on;
     use sluice_runtime::cpu::tiled::tile;
     use sluice_runtime::cpu::TiledMatrix;
-    set_q8_activations(true);
+    let _on = q8_on();
     let mut rng = rand::rngs::StdRng::seed_from_u64(17);
     for &(group, rows, cols, n) in &[
         (64usize, 16usize, 128usize, 1usize),
@@ -157,7 +171,7 @@ fn tiled_matmul_matches_the_int8_oracle() {
 #[test]
 fn eight_bit_codes_at_their_extremes_match_the_int8_oracle() {
     use half::bf16;
-    set_q8_activations(true);
+    let _on = q8_on();
     let mut rng = rand::rngs::StdRng::seed_from_u64(29);
     for &(group, rows, cols) in &[(32usize, 9usize, 128usize), (64, 6, 256), (128, 5, 384)] {
         let gpr = cols / group;
@@ -293,7 +307,7 @@ struct Golden {
 /// so no bound here could tell a bug from the noise; their layouts are checked by the exact path's goldens.
 #[test]
 fn fixture_logits_stay_close_to_mlx_lm() {
-    set_q8_activations(true);
+    let _on = q8_on();
     let mut worst_rel = 0f32;
     let mut rels = Vec::new();
     for dir in fixtures() {
@@ -337,7 +351,7 @@ fn trained_perplexity_stays_within_half_a_percent_of_mlx_lm() {
     use sluice_runtime::eval::evaluate;
     use sluice_runtime::{ExpertOptions, Pipeline};
 
-    set_q8_activations(true);
+    let _on = q8_on();
     let opts = ExpertOptions {
         kv_cache: KvType::F16,
         ..ExpertOptions::default()
@@ -384,7 +398,7 @@ fn tiled_expert_records_stream_equal_to_resident() {
     use sluice_runtime::cpu::q8::tiled_kernel_on;
     use sluice_runtime::{convert_model, load_model_with, BackendKind, ExpertMode, ExpertOptions, IoMode, StoreLayout};
 
-    set_q8_activations(true);
+    let mut _on = q8_on();
     let tmp = tempfile::tempdir().unwrap();
     let mut tiled = 0;
     for dir in fixtures() {
@@ -438,12 +452,19 @@ fn tiled_expert_records_stream_equal_to_resident() {
                 path.display()
             );
         }
-        // Only the int8 kernels read a tiled store: other kernels and backends get an error that says so.
-        set_q8_activations(false);
-        let exact = load_model_with(&tiled_store, config.clone(), &ExpertOptions::default());
+        // Only the int8 kernels read a tiled store: other kernels and backends get an error that says so. The
+        // kernels go off only while no other test computes (this one's own read guard is let go first).
+        drop(_on);
+        let exact = {
+            let _off = SWITCH.write().unwrap_or_else(|e| e.into_inner());
+            set_q8_activations(false);
+            let exact = load_model_with(&tiled_store, config.clone(), &ExpertOptions::default());
+            set_q8_activations(true);
+            exact
+        };
+        _on = q8_on();
         let e = exact.err().expect("the float kernels refuse a tiled store").to_string();
         assert!(e.contains("not --kernels exact") && e.contains("--layout mlx"), "{e}");
-        set_q8_activations(true);
         let mlx = ExpertOptions {
             backend: BackendKind::Mlx,
             ..ExpertOptions::default()
