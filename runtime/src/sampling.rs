@@ -140,11 +140,12 @@ impl Sampler {
         }
         match support(l, p) {
             Support::All(w) => {
-                // Whole blocks are skipped by their sums, so the walk is not one long chain of dependent adds.
+                // Whole blocks are skipped by their sums, so the walk is not one long chain of dependent adds;
+                // the total is theirs, so each weight is summed once.
                 const BLOCK: usize = 256;
-                let mut r = self.rng.gen::<f64>() * sum(&w);
-                for (b, block) in w.chunks(BLOCK).enumerate() {
-                    let s = sum(block);
+                let sums: Vec<f64> = w.chunks(BLOCK).map(sum).collect();
+                let mut r = self.rng.gen::<f64>() * sums.iter().sum::<f64>();
+                for (b, (block, &s)) in w.chunks(BLOCK).zip(&sums).enumerate() {
                     if r > s {
                         r -= s;
                         continue;
