@@ -363,6 +363,11 @@ pub struct ConvertOptions<'a> {
 }
 
 /// Writes a packed store of `stacks` from `ckpt` into `out`, then re-reads and verifies every record.
+/// Puts directory `dir`'s entries (renames, removals) on disk.
+fn sync_dir(dir: &Path) -> Result<(), StoreError> {
+    File::open(dir).and_then(|d| d.sync_all()).map_err(io_err(dir))
+}
+
 /// Memory stays bounded by one record; the data goes to a temporary file renamed into place at the end.
 pub fn convert(
     ckpt: &Checkpoint,
@@ -497,7 +502,7 @@ pub fn convert(
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io_err(&mpath)(e)),
         Err(_) => {}
         // On disk before the rename too, or a power loss could keep the rename and lose the removal.
-        Ok(()) => File::open(out).and_then(|d| d.sync_all()).map_err(io_err(out))?,
+        Ok(()) => sync_dir(out)?,
     }
     std::fs::rename(&tmp, &data).map_err(io_err(&data))?;
     let manifest = Manifest {
@@ -523,7 +528,7 @@ pub fn convert(
     drop(mfile);
     std::fs::rename(&mtmp, &mpath).map_err(io_err(&mpath))?;
     // The renames themselves last once the directory is on disk too.
-    File::open(out).and_then(|d| d.sync_all()).map_err(io_err(out))?;
+    sync_dir(out)?;
     let store = PackedStore::open(out)?;
     store.check_against(ckpt, stacks)?;
     let bad_records = store.verify(&|_| {})?;

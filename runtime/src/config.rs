@@ -240,24 +240,16 @@ mod tests {
         // Qwen3's documented YaRN block on a 40,960-token config serves 4 × 32,768.
         assert_eq!(context_length(40960, Some(&both)), 131072);
         assert_eq!(context_length(40960, None), 40960);
-        assert_eq!(
-            context_length(4096, Some(&scaling(r#"{"type":"linear","factor":2.0}"#))),
-            8192
-        );
-        // A factor that does not extend, or a kind that does not scale positions, leaves the config's own.
-        assert_eq!(
-            context_length(4096, Some(&scaling(r#"{"type":"yarn","factor":0.5}"#))),
-            4096
-        );
-        assert_eq!(
-            context_length(4096, Some(&scaling(r#"{"type":"mrope","factor":4.0}"#))),
-            4096
-        );
-        // YaRN without its original context does not extend (the rope assumes mlx-lm's 4096 for it).
-        assert_eq!(
-            context_length(4096, Some(&scaling(r#"{"type":"yarn","factor":4.0}"#))),
-            4096
-        );
+        // On a 4,096-token config: linear doubles it; a factor that does not extend, a kind that does not scale
+        // positions, and YaRN without its original context (the rope assumes mlx-lm's 4096 for it) leave it.
+        for (block, want) in [
+            (r#"{"type":"linear","factor":2.0}"#, 8192),
+            (r#"{"type":"yarn","factor":0.5}"#, 4096),
+            (r#"{"type":"mrope","factor":4.0}"#, 4096),
+            (r#"{"type":"yarn","factor":4.0}"#, 4096),
+        ] {
+            assert_eq!(context_length(4096, Some(&scaling(block))), want, "{block}");
+        }
         // Through a whole config: the block in `rope_parameters` too.
         let c = ModelConfig::parse(
             Path::new("c.json"),

@@ -73,6 +73,20 @@ struct QueueState {
 }
 
 impl Queue {
+    /// An empty queue of `capacity` places (at least one).
+    fn new(capacity: usize, metrics: Arc<Metrics>) -> Arc<Self> {
+        Arc::new(Queue {
+            state: Mutex::new(QueueState {
+                jobs: VecDeque::new(),
+                closed: false,
+                stopped: false,
+            }),
+            ready: Condvar::new(),
+            capacity: capacity.max(1),
+            metrics,
+        })
+    }
+
     fn lock(&self) -> MutexGuard<'_, QueueState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -142,16 +156,7 @@ impl EngineHandle {
     /// Starts the engine thread, computing on `threads` (`None`: all cores), with a queue of `capacity` waiting
     /// jobs.
     pub fn start(pipeline: Pipeline, capacity: usize, threads: Option<usize>, metrics: Arc<Metrics>) -> Self {
-        let queue = Arc::new(Queue {
-            state: Mutex::new(QueueState {
-                jobs: VecDeque::new(),
-                closed: false,
-                stopped: false,
-            }),
-            ready: Condvar::new(),
-            capacity: capacity.max(1),
-            metrics: Arc::clone(&metrics),
-        });
+        let queue = Queue::new(capacity, Arc::clone(&metrics));
         let running = Arc::new(AtomicUsize::new(0));
         let (q, r) = (Arc::clone(&queue), Arc::clone(&running));
         std::thread::Builder::new()
@@ -239,19 +244,6 @@ fn without_panics<T>(job: impl FnOnce() -> Result<T, ModelError>) -> Result<T, M
 mod tests {
     use super::*;
 
-    fn queue(capacity: usize) -> Arc<Queue> {
-        Arc::new(Queue {
-            state: Mutex::new(QueueState {
-                jobs: VecDeque::new(),
-                closed: false,
-                stopped: false,
-            }),
-            ready: Condvar::new(),
-            capacity,
-            metrics: Metrics::new(4, None, 0),
-        })
-    }
-
     /// A job and the receiver its client holds.
     fn job(text: &str) -> (Job, mpsc::UnboundedReceiver<Event>) {
         let (events, rx) = mpsc::unbounded_channel();
@@ -266,7 +258,7 @@ mod tests {
 
     #[test]
     fn a_client_that_leaves_while_queued_gives_up_its_place() {
-        let q = queue(1);
+        let q = Queue::new(1, Metrics::new(4, None, 0));
         let (b, b_rx) = job("b");
         assert!(q.push(b).is_ok());
         let (c, _c_rx) = job("c");
