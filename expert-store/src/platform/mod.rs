@@ -348,7 +348,11 @@ mod tests {
         let rss = resident_bytes().expect("resident bytes");
         let peak = peak_resident_bytes().expect("peak resident bytes");
         assert!(rss > 0 && rss <= total);
-        assert!(peak + page_size() >= rss, "peak {peak} < now {rss}");
+        // Linux keeps both numbers in per-CPU counters that are summed approximately, and the other tests'
+        // threads allocate between the two reads: CI once saw the peak 58 pages under the resident size. A
+        // wrong unit (KiB taken for bytes) would be off by 1024×, which this margin still catches.
+        assert!(peak + (16 << 20) >= rss, "peak {peak} < now {rss}");
+        assert!(peak <= total, "peak {peak} of {total}");
         #[cfg(target_os = "linux")]
         {
             // The same number the kernel gives, give or take what moved in between (a busy neighbour can
