@@ -100,8 +100,10 @@ pub(crate) fn open_source(
             io_depth: opts.io_depth,
             guess_depth: opts.guess_depth,
             verify: opts.verify,
-            // An explicit `--expert-cache` beyond the machine's room stays lazy (see the option).
-            prefault: plan.fits(),
+            // An explicit `--expert-cache` beyond the machine's room stays lazy (see the option). Resident
+            // records are all read below, which backs every slot: a prefault pass beside it would only race it
+            // (and leave the slots reported as backing after the load is done).
+            prefault: plan.fits() && !preload,
         },
     )?;
     let (slots, slot_len) = engine.slots();

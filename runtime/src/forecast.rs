@@ -503,6 +503,7 @@ mod tests {
             total: 16 << 30,
             available: 8 << 30,
             gpu_working_set: None,
+            cgroup_limit: None,
             measured: true,
         };
         let resident = MemoryPlan::new(
@@ -584,6 +585,7 @@ mod tests {
             total: 16 << 30,
             available: 8 << 30,
             gpu_working_set: None,
+            cgroup_limit: None,
             measured: true,
         };
         // As `doctor`'s streamed case: four records of cache, three experts per token.

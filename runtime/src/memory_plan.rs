@@ -44,6 +44,9 @@ pub struct MachineMemory {
     pub available: u64,
     /// The GPU's working-set limit (macOS), if it has one.
     pub gpu_working_set: Option<u64>,
+    /// The memory cgroup's limit (Linux containers, systemd slices), already applied to `total` and
+    /// `available`.
+    pub cgroup_limit: Option<u64>,
     /// Whether the numbers came from the OS (else they are the 8 GiB fallback).
     pub measured: bool,
 }
@@ -60,12 +63,14 @@ impl MachineMemory {
                 total,
                 available: available.min(total),
                 gpu_working_set: platform::gpu_working_set_limit(),
+                cgroup_limit: platform::memory_cgroup().map(|cg| cg.limit),
                 measured: true,
             },
             _ => Self {
                 total: FALLBACK_MEMORY,
                 available: FALLBACK_MEMORY,
                 gpu_working_set: None,
+                cgroup_limit: None,
                 measured: false,
             },
         }
@@ -298,11 +303,13 @@ impl fmt::Display for MemoryPlan {
         let m = &self.machine;
         writeln!(
             f,
-            "memory plan: total {}, available {}{}{}",
+            "memory plan: total {}, available {}{}{}{}",
             gib(m.total),
             gib(m.available),
             m.gpu_working_set
                 .map_or(String::new(), |g| format!(", GPU working set {}", gib(g))),
+            m.cgroup_limit
+                .map_or(String::new(), |c| format!(" (memory cgroup limit {})", gib(c))),
             if m.measured { "" } else { " (unknown: assumed)" }
         )?;
         writeln!(f, "  limit            {:>11}", gib(self.limit))?;
@@ -361,6 +368,7 @@ mod tests {
             total: 64 * GIB,
             available: 44_917_735_424,
             gpu_working_set: Some(expert_store::platform::default_gpu_working_set(64 * GIB)),
+            cgroup_limit: None,
             measured: true,
         }
     }
@@ -446,6 +454,7 @@ mod tests {
         // The same model when the GPU may wire only 16 GiB: streamed.
         let tight = MachineMemory {
             gpu_working_set: Some(16 * GIB),
+            cgroup_limit: None,
             ..machine
         };
         let req = PlanRequest {
@@ -503,6 +512,7 @@ mod tests {
             total: GIB,
             available: GIB,
             gpu_working_set: None,
+            cgroup_limit: None,
             measured: true,
         };
         let model = ModelFootprint {
@@ -530,6 +540,7 @@ mod tests {
             total: 24 * GIB,
             available: 20 * GIB,
             gpu_working_set: None,
+            cgroup_limit: None,
             measured: true,
         };
         let model = |per_token: u64| ModelFootprint {

@@ -356,6 +356,9 @@ mod tests {
         std::thread::spawn(|| {
             let pool = join_compute_pool(Some(2)).unwrap();
             let me = std::thread::current().id();
+            // Over 20 steps the other worker must take part; a step of a few milliseconds in which it never got
+            // the core (a loaded 2-core machine) is not a failure.
+            let mut others_in_all = 0;
             for _ in 0..20 {
                 let (sum, others) = with_workers_awake(|| {
                     // Parallel calls separated by serial gaps, as in a decode step.
@@ -376,8 +379,9 @@ mod tests {
                     (sum, others)
                 });
                 assert_eq!(sum, (0..80).sum::<u64>());
-                assert!(others > 0, "the other worker computed part of the step");
+                others_in_all += others;
             }
+            assert!(others_in_all > 0, "the other worker computed part of the steps");
             // Outside a step the pool still works, and a panic inside one reaches the caller.
             assert_eq!((0..100u64).into_par_iter().sum::<u64>(), 4950);
             let caught = std::panic::catch_unwind(|| with_workers_awake(|| panic!("step failed")));
@@ -412,18 +416,22 @@ mod tests {
                         "each task once (n = {n})"
                     );
                     if n == 64 {
-                        assert!(out.iter().any(|o| o.1 != me), "the poller took tasks (n = {n})");
                         assert!(out.iter().any(|o| o.1 == me), "the poster took tasks (n = {n})");
                     }
                 }
-                // A poller asleep after a long serial stretch (a wait on the disk) wakes for the next loop.
-                std::thread::sleep(std::time::Duration::from_millis(5));
+                // The poller takes tasks of a long loop, also after sleeping through a long serial stretch (a
+                // wait on the disk). One loop is ~19 ms: a few tries, so that a poller kept off a loaded core
+                // for one of them does not fail the test.
                 let items: Vec<usize> = (0..64).collect();
-                let ids = parallel_map(&items, |_| {
-                    std::thread::sleep(std::time::Duration::from_micros(300));
-                    std::thread::current().id()
+                let poller_took_tasks = (0..10).any(|_| {
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                    let ids = parallel_map(&items, |_| {
+                        std::thread::sleep(std::time::Duration::from_micros(300));
+                        std::thread::current().id()
+                    });
+                    ids.iter().any(|&t| t != me)
                 });
-                assert!(ids.iter().any(|&t| t != me), "the sleeping poller woke and took tasks");
+                assert!(poller_took_tasks, "the sleeping poller woke and took tasks");
                 // A loop inside a task runs (alone), and each_mut hands out every item.
                 let sums = parallel_map(&[10u64, 20, 30], |&base| {
                     parallel_map(&[1u64, 2], |&x| base + x).iter().sum::<u64>()

@@ -882,7 +882,11 @@ pub(crate) fn disk_probe_file(
                 let mut turn = (0..bufs.len()).cycle();
                 let mut next_buf = move || turn.next().unwrap_or(0);
                 let mut read = Vec::new();
-                while n > 0 && t0.elapsed() < time {
+                // Each thread reads at least once: one that got no core within a short window would
+                // otherwise report nothing read at all.
+                let mut first = true;
+                while n > 0 && (first || t0.elapsed() < time) {
+                    first = false;
                     let off = rng.gen_range(0..=slots) * DIRECT_ALIGN + at;
                     let buf = &mut bufs[next_buf()].as_mut_slice()[..n];
                     match expert_store::read_full(f.as_ref(), buf, off, 0) {

@@ -1,6 +1,6 @@
 //! `sluice convert` works in bounded memory: a model with more than 4 GB of experts converts inside a 1 GiB
 //! memory cgroup, and the store decodes exactly like the directory. The same cgroup kills a run that keeps
-//! every expert resident, so the limit is real.
+//! every expert resident, so the limit is real, and a run with no flags plans within it.
 //!
 //! Needs Linux, cgroup v1's memory controller and root (CI has all three). Elsewhere the test fails with a
 //! message saying so, unless `SLUICE_NO_CGROUP_TESTS=1` says to skip it (and it prints that it did).
@@ -31,8 +31,8 @@ impl MemCgroup {
         Ok(g)
     }
 
-    /// Runs the sluice binary with `args` inside the cgroup; returns (success, stderr).
-    fn run(&self, args: &[&str]) -> (bool, String) {
+    /// Runs the sluice binary with `args` inside the cgroup; returns (success, stdout, stderr).
+    fn run(&self, args: &[&str]) -> (bool, String, String) {
         let procs = self.0.join("cgroup.procs");
         let out = Command::new("sh")
             .arg("-c")
@@ -42,7 +42,11 @@ impl MemCgroup {
             .args(args)
             .output()
             .unwrap();
-        (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
     }
 
     fn oom_kills(&self) -> u64 {
@@ -87,7 +91,7 @@ fn convert_of_a_model_bigger_than_the_limit_fits_in_a_1gib_cgroup() {
         .sum();
     assert!(experts > 4_500_000_000, "synth wrote only {experts} bytes");
 
-    let (converted, err) = group.run(&["convert", "-m", d, "-o", s]);
+    let (converted, _, err) = group.run(&["convert", "-m", d, "-o", s]);
     assert!(converted, "convert failed inside {LIMIT} bytes: {err}");
     assert_eq!(group.oom_kills(), 0);
     let data = std::fs::metadata(store.join("experts.bin")).unwrap().len();
@@ -109,10 +113,30 @@ fn convert_of_a_model_bigger_than_the_limit_fits_in_a_1gib_cgroup() {
         ])
         .0
     };
-    assert_eq!(gen(s), gen(d));
+    let from_dir = gen(d);
+    assert_eq!(gen(s), from_dir);
+
+    // With no flags inside the cgroup, the plan keeps to its limit, not to the host's memory: the experts
+    // stream through a cache that fits. Planned from /proc/meminfo alone, they were all loaded and killed.
+    let prompt = [
+        "generate",
+        "-m",
+        d,
+        "--prompt",
+        "one two three",
+        "-n",
+        "6",
+        "--ignore-eos",
+        "-v",
+    ];
+    let (fits, text, err) = group.run(&prompt);
+    assert!(fits, "a default run in {LIMIT} bytes failed: {err}");
+    assert!(err.contains("(memory cgroup limit 1.00 GiB)"), "{err}");
+    assert_eq!(group.oom_kills(), 0);
+    assert_eq!(text, from_dir);
 
     // The control: keeping every expert resident does not fit in the same limit, and the kernel says so.
-    let (resident, _) = group.run(&["generate", "-m", d, "--prompt", "x", "-n", "1", "--experts", "resident"]);
+    let (resident, _, _) = group.run(&["generate", "-m", d, "--prompt", "x", "-n", "1", "--experts", "resident"]);
     assert!(
         !resident,
         "a resident load of {experts} bytes fit in {LIMIT}: the limit does not bite"

@@ -28,11 +28,51 @@ pub(super) fn os_release() -> Option<String> {
 }
 
 pub(super) fn total_memory() -> Option<u64> {
-    meminfo("MemTotal")
+    let total = meminfo("MemTotal")?;
+    Some(cgroup_memory().map_or(total, |cg| total.min(cg.limit)))
 }
 
 pub(super) fn available_memory() -> Option<u64> {
-    meminfo("MemAvailable")
+    let available = meminfo("MemAvailable")?;
+    Some(cgroup_memory().map_or(available, |cg| available.min(cg.available())))
+}
+
+/// The tightest memory cgroup limit on this process (a container's `--memory`, a systemd `MemoryMax`), and
+/// what is charged against it: `/proc/meminfo` shows the whole host's memory there.
+pub(super) fn cgroup_memory() -> Option<super::CgroupMemory> {
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    super::memory_cgroup_dirs(&cgroup, &mountinfo)
+        .iter()
+        .filter_map(cgroup_dir_memory)
+        .min_by_key(|cg| cg.available())
+}
+
+pub(super) fn cgroup_dir_memory(cg: &super::CgroupDir) -> Option<super::CgroupMemory> {
+    use super::{cgroup_limit, cgroup_stat, CgroupVersion};
+    let read = |dir: &Path, name: &str| std::fs::read_to_string(dir.join(name)).ok();
+    let (limit_file, usage_file, inactive_key) = match cg.version {
+        CgroupVersion::V1 => ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+        CgroupVersion::V2 => ("memory.max", "memory.current", "inactive_file"),
+    };
+    // A limit anywhere from the process's cgroup up to the mount binds it (v1 also sums it up in
+    // `hierarchical_memory_limit`).
+    let stat = read(&cg.dir, "memory.stat").unwrap_or_default();
+    let limit = cg
+        .dir
+        .ancestors()
+        .take_while(|d| d.starts_with(&cg.mount))
+        .filter_map(|d| read(d, limit_file).as_deref().and_then(cgroup_limit))
+        .chain(cgroup_stat(&stat, "hierarchical_memory_limit").and_then(|n| cgroup_limit(&n.to_string())))
+        .min()?;
+    let charged = read(&cg.dir, usage_file)
+        .and_then(|t| t.trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    let inactive = cgroup_stat(&stat, inactive_key).unwrap_or(0);
+    Some(super::CgroupMemory {
+        limit,
+        used: charged.saturating_sub(inactive),
+    })
 }
 
 pub(super) fn resident_bytes() -> Option<u64> {

@@ -170,3 +170,7 @@ pub(super) fn populate(_ptr: NonNull<c_void>, _len: usize) -> bool {
     // macOS has no advice that backs pages without writing them; they fault in on first touch, as before.
     false
 }
+
+pub(super) fn cgroup_memory() -> Option<super::CgroupMemory> {
+    None
+}

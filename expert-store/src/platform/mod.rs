@@ -79,6 +79,140 @@ pub fn statm_resident_bytes(statm: &str, page_size: u64) -> Option<u64> {
     pages.checked_mul(page_size)
 }
 
+/// Which Linux cgroup hierarchy a memory cgroup belongs to (their files differ).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CgroupVersion {
+    /// The v1 `memory` controller (`memory.limit_in_bytes`, `memory.usage_in_bytes`).
+    V1,
+    /// The unified hierarchy (`memory.max`, `memory.current`).
+    V2,
+}
+
+/// Where this process's memory cgroup lives: its directory and the mount point of its hierarchy (a limit set
+/// on any directory between the two applies).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CgroupDir {
+    /// v1 or v2.
+    pub version: CgroupVersion,
+    /// The process's own cgroup directory.
+    pub dir: std::path::PathBuf,
+    /// The hierarchy's mount point, the last directory whose limit counts.
+    pub mount: std::path::PathBuf,
+}
+
+/// This process's memory cgroups from Linux's `/proc/self/cgroup` and `/proc/self/mountinfo`: the v1 memory
+/// controller's and the v2 hierarchy's, where each is mounted (a hybrid system has both; only one holds the
+/// memory files). A container sees its own cgroup as the root of the mount, and its path as `/`.
+pub fn memory_cgroup_dirs(cgroup: &str, mountinfo: &str) -> Vec<CgroupDir> {
+    // mountinfo: `id parent major:minor root mount-point options [optional...] - fstype source super-options`
+    let mounts: Vec<(&str, &str, String, String)> = mountinfo
+        .lines()
+        .filter_map(|line| {
+            let (left, right) = line.split_once(" - ")?;
+            let left: Vec<&str> = left.split(' ').collect();
+            let mut right = right.split(' ');
+            let fstype = right.next()?;
+            let super_options = right.nth(1).unwrap_or("");
+            Some((
+                fstype,
+                super_options,
+                unescape_mount_path(left.get(3)?),
+                unescape_mount_path(left.get(4)?),
+            ))
+        })
+        .collect();
+    let mut dirs = Vec::new();
+    for line in cgroup.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(id), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next()) else {
+            continue;
+        };
+        let version = if controllers.split(',').any(|c| c == "memory") {
+            CgroupVersion::V1
+        } else if id == "0" && controllers.is_empty() {
+            CgroupVersion::V2
+        } else {
+            continue;
+        };
+        let mount = mounts.iter().find(|(fstype, super_options, _, _)| match version {
+            CgroupVersion::V1 => *fstype == "cgroup" && super_options.split(',').any(|o| o == "memory"),
+            CgroupVersion::V2 => *fstype == "cgroup2",
+        });
+        let Some((_, _, root, mount)) = mount else {
+            continue;
+        };
+        // The mount shows the hierarchy from `root` down: the process's path below it is what is under the
+        // mount point. A path outside the mounted part (a cgroup namespace moved under us) leaves the mount.
+        let below = if root == "/" {
+            Some(path)
+        } else {
+            path.strip_prefix(root.as_str())
+                .filter(|rest| rest.is_empty() || rest.starts_with('/'))
+        };
+        let mount = std::path::PathBuf::from(mount);
+        let dir = match below.map(|b| b.trim_start_matches('/')) {
+            Some(rel) if !rel.is_empty() && !rel.split('/').any(|c| c == "..") => mount.join(rel),
+            _ => mount.clone(),
+        };
+        dirs.push(CgroupDir { version, dir, mount });
+    }
+    dirs
+}
+
+/// A mountinfo path with its octal escapes (`\040` for a space) undone.
+fn unescape_mount_path(field: &str) -> String {
+    let bytes = field.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let octal = bytes
+            .get(i + 1..i + 4)
+            .filter(|d| bytes[i] == b'\\' && d.iter().all(|c| (b'0'..=b'7').contains(c)));
+        match octal {
+            Some(d) => {
+                out.push(d.iter().fold(0u8, |v, c| v.wrapping_mul(8).wrapping_add(c - b'0')));
+                i += 4;
+            }
+            None => {
+                out.push(bytes[i]);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// A cgroup memory limit file's value (`memory.max`, `memory.limit_in_bytes`); `None` when it sets no limit
+/// (`max`, or v1's page-rounded `i64::MAX`).
+pub fn cgroup_limit(text: &str) -> Option<u64> {
+    let n: u64 = text.trim().parse().ok()?;
+    (n < 1 << 60).then_some(n)
+}
+
+/// A `key value` line of a cgroup's `memory.stat`.
+pub fn cgroup_stat(stat: &str, key: &str) -> Option<u64> {
+    stat.lines().find_map(|l| {
+        let (k, v) = l.split_once(' ')?;
+        (k == key).then(|| v.trim().parse().ok()).flatten()
+    })
+}
+
+/// What a memory cgroup allows: its limit, and what is charged to it that reclaim would not give back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CgroupMemory {
+    /// The least limit of the cgroup and its ancestors.
+    pub limit: u64,
+    /// Charged memory less the inactive file pages reclaim takes first.
+    pub used: u64,
+}
+
+impl CgroupMemory {
+    /// What the cgroup can still give this process without reclaiming active memory.
+    pub fn available(&self) -> u64 {
+        self.limit.saturating_sub(self.used)
+    }
+}
+
 /// The operating system's name as users know it (`macOS`, `Linux`, ...).
 pub fn os_name() -> &'static str {
     match std::env::consts::OS {
@@ -143,6 +277,13 @@ pub fn total_memory() -> Option<u64> {
 /// speculative, inactive and purgeable pages).
 pub fn available_memory() -> Option<u64> {
     os::available_memory()
+}
+
+/// The tightest memory cgroup limit on this process and what is charged against it (Linux: a container's
+/// `--memory`, a systemd `MemoryMax`); `None` where none applies. `total_memory` and `available_memory`
+/// already take it into account.
+pub fn memory_cgroup() -> Option<CgroupMemory> {
+    os::cgroup_memory()
 }
 
 /// This process's resident set size now.
@@ -341,6 +482,133 @@ mod tests {
     }
 
     #[test]
+    fn memory_cgroups_are_found_where_their_hierarchy_is_mounted() {
+        use std::path::PathBuf;
+        let at = |version, dir: &str, mount: &str| CgroupDir {
+            version,
+            dir: PathBuf::from(dir),
+            mount: PathBuf::from(mount),
+        };
+        // A hybrid host (v1 controllers beside an empty unified hierarchy), as this project's VMs are.
+        let mountinfo = "25 30 0:22 / /sys rw,nosuid shared:7 - sysfs sysfs rw\n\
+                         33 25 0:28 / /sys/fs/cgroup/unified rw,nosuid shared:10 - cgroup2 cgroup2 rw,nsdelegate\n\
+                         40 25 0:35 / /sys/fs/cgroup/memory rw,nosuid shared:20 - cgroup cgroup rw,memory\n\
+                         41 25 0:36 / /sys/fs/cgroup/cpu,cpuacct rw shared:21 - cgroup cgroup rw,cpu,cpuacct\n";
+        let cgroup = "9:cpu,cpuacct:/\n4:memory:/process_api/17567946\n0::/\n";
+        assert_eq!(
+            memory_cgroup_dirs(cgroup, mountinfo),
+            [
+                at(
+                    CgroupVersion::V1,
+                    "/sys/fs/cgroup/memory/process_api/17567946",
+                    "/sys/fs/cgroup/memory"
+                ),
+                at(CgroupVersion::V2, "/sys/fs/cgroup/unified", "/sys/fs/cgroup/unified"),
+            ]
+        );
+        // cgroup v2 only: a systemd service on the host, and a container that sees its cgroup as the root.
+        let v2 = "30 25 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate,memory_recursiveprot\n";
+        assert_eq!(
+            memory_cgroup_dirs("0::/system.slice/sluice.service\n", v2),
+            [at(
+                CgroupVersion::V2,
+                "/sys/fs/cgroup/system.slice/sluice.service",
+                "/sys/fs/cgroup"
+            )]
+        );
+        assert_eq!(
+            memory_cgroup_dirs("0::/\n", v2),
+            [at(CgroupVersion::V2, "/sys/fs/cgroup", "/sys/fs/cgroup")]
+        );
+        // A mount of part of the hierarchy (Docker on cgroup v1): the path below its root is under the mount
+        // point; a path outside it, or one climbing out, is the mount point itself.
+        let part = "50 40 0:35 /docker/abc /sys/fs/cgroup/memory ro - cgroup cgroup rw,memory\n";
+        for (path, dir) in [
+            ("/docker/abc", "/sys/fs/cgroup/memory"),
+            ("/docker/abc/inner", "/sys/fs/cgroup/memory/inner"),
+            ("/docker/abcdef", "/sys/fs/cgroup/memory"),
+            ("/other", "/sys/fs/cgroup/memory"),
+        ] {
+            assert_eq!(
+                memory_cgroup_dirs(&format!("4:memory:{path}\n"), part),
+                [at(CgroupVersion::V1, dir, "/sys/fs/cgroup/memory")],
+                "{path}"
+            );
+        }
+        let escaped = "50 40 0:35 / /mnt/my\\040cgroups rw - cgroup2 none rw\n";
+        assert_eq!(
+            memory_cgroup_dirs("0::/../x\n", escaped),
+            [at(CgroupVersion::V2, "/mnt/my cgroups", "/mnt/my cgroups")]
+        );
+        // No memory hierarchy mounted, or nothing to read: none.
+        assert_eq!(
+            memory_cgroup_dirs(cgroup, "25 30 0:22 / /sys rw - sysfs sysfs rw\n"),
+            []
+        );
+        assert_eq!(memory_cgroup_dirs("", mountinfo), []);
+        assert_eq!(memory_cgroup_dirs("garbage\n::\n", "garbage\n"), []);
+
+        assert_eq!(cgroup_limit("max\n"), None);
+        assert_eq!(cgroup_limit("9223372036854771712\n"), None);
+        assert_eq!(cgroup_limit("17179869184\n"), Some(16 << 30));
+        assert_eq!(cgroup_limit(""), None);
+        let stat = "anon 100\nfile 2048\ninactive_file 1024\ntotal_inactive_file 4096\n";
+        assert_eq!(cgroup_stat(stat, "inactive_file"), Some(1024));
+        assert_eq!(cgroup_stat(stat, "total_inactive_file"), Some(4096));
+        assert_eq!(cgroup_stat(stat, "file_mapped"), None);
+    }
+
+    /// A cgroup's limit is the least set between its directory and the mount, and reclaimable file pages are
+    /// not counted as used; read from files laid out as the kernel does.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_cgroup_limit_and_usage_are_read_from_its_files() {
+        let tmp = tempfile::tempdir().unwrap();
+        let write = |rel: &str, text: &str| {
+            let p = tmp.path().join(rel);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, text).unwrap();
+        };
+        // v2: the parent's limit binds; a tighter one above the mount does not count.
+        write("memory.max", "10\n");
+        write("mnt/memory.max", "max\n");
+        write("mnt/a/memory.max", "1000000\n");
+        write("mnt/a/b/memory.max", "max\n");
+        write("mnt/a/b/memory.current", "600000\n");
+        write(
+            "mnt/a/b/memory.stat",
+            "anon 350000\ninactive_file 200000\nactive_file 50000\n",
+        );
+        let v2 = CgroupDir {
+            version: CgroupVersion::V2,
+            dir: tmp.path().join("mnt/a/b"),
+            mount: tmp.path().join("mnt"),
+        };
+        let got = os::cgroup_dir_memory(&v2).unwrap();
+        assert_eq!((got.limit, got.used, got.available()), (1_000_000, 400_000, 600_000));
+        // No limit on the way up: none.
+        write("mnt/a/memory.max", "max\n");
+        assert_eq!(os::cgroup_dir_memory(&v2), None);
+        // v1: an unlimited own file, the hierarchy's limit from memory.stat.
+        write("v1/g/memory.limit_in_bytes", "9223372036854771712\n");
+        write("v1/g/memory.usage_in_bytes", "500000\n");
+        write(
+            "v1/g/memory.stat",
+            "cache 100\nhierarchical_memory_limit 2000000\ninactive_file 7\ntotal_inactive_file 100000\n",
+        );
+        let v1 = CgroupDir {
+            version: CgroupVersion::V1,
+            dir: tmp.path().join("v1/g"),
+            mount: tmp.path().join("v1"),
+        };
+        let got = os::cgroup_dir_memory(&v1).unwrap();
+        assert_eq!((got.limit, got.used), (2_000_000, 400_000));
+        // Usage above the limit (reclaim pending) leaves nothing available, without wrapping.
+        write("v1/g/memory.usage_in_bytes", "5000000\n");
+        assert_eq!(os::cgroup_dir_memory(&v1).unwrap().available(), 0);
+    }
+
+    #[test]
     fn this_machine_answers_every_memory_question() {
         let total = total_memory().expect("total memory");
         let avail = available_memory().expect("available memory");
@@ -360,14 +628,17 @@ mod tests {
             let close = (0..5).any(|_| {
                 let text = std::fs::read_to_string("/proc/meminfo").unwrap();
                 let want = meminfo_bytes(&text, "MemAvailable").unwrap();
+                let want = memory_cgroup().map_or(want, |cg| want.min(cg.available()));
                 available_memory().unwrap().abs_diff(want) < 256 << 20
             });
             assert!(
                 close,
-                "available_memory() never within 256 MB of /proc/meminfo's MemAvailable"
+                "available_memory() never within 256 MB of MemAvailable (or the memory cgroup's room)"
             );
+            // Physical memory, or the memory cgroup's limit where that is less.
             let text = std::fs::read_to_string("/proc/meminfo").unwrap();
-            assert_eq!(total, meminfo_bytes(&text, "MemTotal").unwrap());
+            let physical = meminfo_bytes(&text, "MemTotal").unwrap();
+            assert_eq!(total, memory_cgroup().map_or(physical, |cg| physical.min(cg.limit)));
             assert_eq!(gpu_working_set_limit(), None);
         }
         #[cfg(target_os = "macos")]
@@ -399,15 +670,21 @@ mod tests {
             #[cfg(not(any(target_os = "linux", target_os = "macos")))]
             return;
         };
+        // Busy until the clock shows 5 ms of work (a loaded machine may give this thread little of the wall
+        // time), within 10 s: a clock that does not count this thread's work never gets there.
         let wall = std::time::Instant::now();
         let mut x = 1u64;
-        while wall.elapsed() < std::time::Duration::from_millis(20) {
-            x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+        let mut used = std::time::Duration::ZERO;
+        while used < std::time::Duration::from_millis(5) && wall.elapsed() < std::time::Duration::from_secs(10) {
+            for _ in 0..10_000 {
+                x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+            }
+            used = thread_cpu_time().unwrap() - before;
         }
-        let used = thread_cpu_time().unwrap() - before;
         assert!(
-            used > std::time::Duration::from_millis(1),
-            "{used:?} of CPU in a 20 ms busy loop"
+            used >= std::time::Duration::from_millis(5) && used <= wall.elapsed() + std::time::Duration::from_millis(5),
+            "{used:?} of CPU in {:?} of a busy loop",
+            wall.elapsed()
         );
         // Another thread sleeping meanwhile uses next to none.
         let idle = std::thread::spawn(|| {

@@ -51,3 +51,7 @@ pub(super) fn advise_huge_pages(_ptr: NonNull<c_void>, _len: usize) {}
 pub(super) fn populate(_ptr: NonNull<c_void>, _len: usize) -> bool {
     false
 }
+
+pub(super) fn cgroup_memory() -> Option<super::CgroupMemory> {
+    None
+}
