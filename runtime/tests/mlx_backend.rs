@@ -92,6 +92,39 @@ fn mlx_streamed_equals_resident_bit_for_bit() {
     }
 }
 
+/// The mlx KV cache grows in steps of 256 positions and writes into its buffer: a prompt that ends just before
+/// a step, decode across it, a chunk past the next, and a rewind to before the first step followed by new
+/// tokens all give the cpu backend's logits.
+#[test]
+fn mlx_kv_cache_grows_and_rewinds_like_cpu() {
+    let dir = common::fixture("qwen3_moe-q4g64");
+    let (cpu, mlx) = (
+        load(&dir, BackendKind::Cpu, ExpertMode::Mmap, None),
+        load(&dir, BackendKind::Mlx, ExpertMode::Mmap, None),
+    );
+    let v = cpu.info.vocab_size as u32;
+    let tokens: Vec<u32> = (0..500u32).map(|i| (i * 7919 + 13) % v).collect();
+    let opts = ForwardOptions::default();
+    let (mut c, mut m) = (cpu.new_cache(), mlx.new_cache());
+    let step = |what: &str, ids: &[u32], c: &mut _, m: &mut _| {
+        let want = cpu.forward(ids, c, &opts).unwrap();
+        let got = mlx.forward(ids, m, &opts).unwrap();
+        assert_close(what, &got, &want);
+    };
+    step("prompt of 250", &tokens[..250], &mut c, &mut m);
+    let (cp_cpu, cp_mlx) = (c.checkpoint(), m.checkpoint());
+    for (i, &t) in tokens[250..262].iter().enumerate() {
+        step(&format!("decode at {}", 250 + i), &[t], &mut c, &mut m);
+    }
+    step("chunk to 462", &tokens[262..462], &mut c, &mut m);
+    c.restore(&cp_cpu).unwrap();
+    m.restore(&cp_mlx).unwrap();
+    step("after rewinding to 250", &tokens[300..330], &mut c, &mut m);
+    for &t in &tokens[330..340] {
+        step("decode after the rewind", &[t], &mut c, &mut m);
+    }
+}
+
 #[test]
 fn mlx_checkpoints_restore_exactly() {
     let dir = common::fixture("qwen3_5_moe-q4g64");

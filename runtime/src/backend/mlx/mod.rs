@@ -17,7 +17,7 @@ pub use device::recommended_working_set;
 
 use expert_store::ExpertRecord;
 use mlx_rs::fast::ScaledDotProductAttentionMask;
-use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
 use mlx_rs::Array;
 
 use super::{Backend, KvState, Pick, RecurrentState, SeqSpan};
@@ -33,11 +33,55 @@ use ops::{bad, err, f32s, scalar, upload_linear, MlxLinear};
 #[derive(Debug, Clone, Copy, Default)]
 pub struct MlxBackend;
 
-/// Keys and values `[1, kv_heads, T, head_dim]` (none before the first token).
+/// Keys and values `[1, kv_heads, capacity, head_dim]` whose first `len` positions hold the sequence (none
+/// before the first token). The capacity grows in steps of [`KV_STEP`] positions and new rows are written into
+/// it (`slice_update`, which MLX does in place when nothing else holds the buffer), as mlx-lm's `KVCache`
+/// does: appending by concatenation copied every layer's whole cache at each decode step (~3 GB a token at
+/// 8k positions on a 235B model). Arrays are values, so a clone is still a snapshot.
 #[derive(Clone)]
 pub struct MlxKv {
     kv: Option<(Array, Array)>,
     len: usize,
+}
+
+/// Positions the mlx KV cache grows by.
+const KV_STEP: usize = 256;
+
+impl MlxKv {
+    /// Writes `k` and `v` `[1, kv_heads, n, head_dim]` at the positions after the sequence, and returns the
+    /// cache's keys and values up to their end.
+    fn append(&mut self, k: &Array, v: &Array) -> Result<(Array, Array)> {
+        let n = k.shape()[2] as usize;
+        let (start, end) = (self.len, self.len + n);
+        let capacity = self.kv.as_ref().map_or(0, |(k, _)| k.shape()[2] as usize);
+        if end > capacity {
+            // A bigger buffer holding the positions so far; those past `len` (truncated away) are not kept.
+            let grown = |new: &Array, old: Option<&Array>| -> Result<Array> {
+                let s = new.shape();
+                let room = (end.next_multiple_of(KV_STEP) - start) as i32;
+                let free = mlx_rs::ops::zeros_dtype(&[s[0], s[1], room, s[3]], new.dtype()).map_err(err)?;
+                match old {
+                    Some(old) if start > 0 => {
+                        mlx_rs::ops::concatenate(&[old.index((.., .., ..start as i32, ..)), free], 2).map_err(err)
+                    }
+                    _ => Ok(free),
+                }
+            };
+            let old = self.kv.take();
+            self.kv = Some((
+                grown(k, old.as_ref().map(|o| &o.0))?,
+                grown(v, old.as_ref().map(|o| &o.1))?,
+            ));
+        }
+        let Some((kc, vc)) = self.kv.as_mut() else {
+            return Err(bad("the KV cache has no buffer after growing"));
+        };
+        let (s, e) = (start as i32, end as i32);
+        kc.try_index_mut((.., .., s..e, ..), k).map_err(err)?;
+        vc.try_index_mut((.., .., s..e, ..), v).map_err(err)?;
+        self.len = end;
+        Ok((kc.index((.., .., ..e, ..)), vc.index((.., .., ..e, ..))))
+    }
 }
 
 impl KvState for MlxKv {
@@ -45,16 +89,8 @@ impl KvState for MlxKv {
         self.len
     }
     fn truncate(&mut self, len: usize) {
-        if len >= self.len {
-            return;
-        }
-        let l = len as i32;
-        self.kv = self
-            .kv
-            .take()
-            .filter(|_| len > 0)
-            .map(|(k, v)| (k.index((.., .., ..l, ..)), v.index((.., .., ..l, ..))));
-        self.len = len;
+        // The positions past `len` are overwritten by the next append.
+        self.len = self.len.min(len);
     }
 }
 
@@ -259,15 +295,7 @@ impl Backend for MlxBackend {
             let q = heads_first(&rows(q, &span.rows), n, heads, d)?;
             let k = heads_first(&rows(k, &span.rows), n, kvh, d)?;
             let v = heads_first(&rows(v, &span.rows), n, kvh, d)?;
-            let (k, v) = match cache.kv.take() {
-                Some((pk, pv)) => (
-                    mlx_rs::ops::concatenate(&[pk, k], 2).map_err(err)?,
-                    mlx_rs::ops::concatenate(&[pv, v], 2).map_err(err)?,
-                ),
-                None => (k, v),
-            };
-            cache.kv = Some((k.clone(), v.clone()));
-            cache.len += span.len();
+            let (k, v) = cache.append(&k, &v)?;
             let o = if n > 1 {
                 mlx_rs::fast::scaled_dot_product_attention(
                     &q,
