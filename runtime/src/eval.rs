@@ -123,6 +123,9 @@ pub fn evaluate(
         )));
     }
     let v = m.info.vocab_size;
+    // Targets are never fed to the model, so its own check would miss the last token of each window (a
+    // tokenizer's added tokens can lie past the embedding).
+    crate::model::check_vocabulary(&ids[..windows * opts.ctx], v)?;
     let own = m.info.default_top_k;
     let mut sums = vec![Sums::default(); opts.top_ks.len()];
     let total = windows * (opts.top_ks.len() + 1);

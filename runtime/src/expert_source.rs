@@ -49,10 +49,13 @@ pub(crate) fn open_source(
         }
     }
     let plan_for = |footprint| MemoryPlan::new(machine, footprint, &PlanRequest::from_options(opts));
-    let unwritten = |source: Arc<dyn ExpertSource>, plan| OpenedSource {
-        source,
-        plan,
-        rewritten: false,
+    let unwritten = |source: Arc<dyn ExpertSource>, plan: MemoryPlan| {
+        warn_unless_fits(&plan);
+        OpenedSource {
+            source,
+            plan,
+            rewritten: false,
+        }
     };
     if stacks.is_empty() {
         return Ok(unwritten(Arc::new(InMemoryExpertSource::new()), plan_for(footprint)));
@@ -91,6 +94,7 @@ pub(crate) fn open_source(
         direct_io: direct,
         ..plan_for(footprint)
     };
+    warn_unless_fits(&plan);
     let preload = plan.placement == ExpertPlacement::Resident;
     let cache_bytes = if preload { every_record } else { plan.expert_cache };
     let engine = StreamingSource::new(
@@ -122,6 +126,19 @@ pub(crate) fn open_source(
         plan,
         rewritten,
     })
+}
+
+/// Says so (without `-v`) when the plan's budgets overrun its limit: an explicit `--experts resident`,
+/// `--expert-cache` or `--ctx-size` beyond the machine's room pages or gets the process killed.
+fn warn_unless_fits(plan: &MemoryPlan) {
+    if !plan.fits() {
+        tracing::warn!(
+            "the memory plan needs {:.2} GiB but {:.2} GiB is available: expect paging or an out-of-memory kill \
+             (a smaller --expert-cache or --ctx-size, or --experts stream, fits; -v prints the plan)",
+            plan.total() as f64 / (1u64 << 30) as f64,
+            plan.limit as f64 / (1u64 << 30) as f64
+        );
+    }
 }
 
 /// Bytes of the slots that hold `records` expert records at once, each slot as long as the `longest` record,

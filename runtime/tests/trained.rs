@@ -108,3 +108,23 @@ fn eval_perplexity_matches_mlx_lm_at_each_top_k() {
         );
     }
 }
+
+/// A token past the vocabulary where only a target reads it (a window's last token) is an error, not a panic.
+#[test]
+fn eval_refuses_a_target_outside_the_vocabulary() {
+    let p = Pipeline::load(&common::fixture(TRAINED_TARGETS[0])).unwrap();
+    let v = p.model.info.vocab_size as u32;
+    let opts = sluice_runtime::eval::EvalOptions {
+        ctx: 8,
+        top_ks: vec![p.model.info.default_top_k],
+        max_windows: None,
+    };
+    let mut ids = vec![1u32; 16];
+    assert!(evaluate(&p.model, &ids, &opts, |_, _| {}).is_ok());
+    ids[15] = v;
+    let err = evaluate(&p.model, &ids, &opts, |_, _| {}).unwrap_err().to_string();
+    assert!(
+        err.contains(&format!("token id {v} is outside the vocabulary")),
+        "{err}"
+    );
+}

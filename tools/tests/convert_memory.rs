@@ -136,10 +136,12 @@ fn convert_of_a_model_bigger_than_the_limit_fits_in_a_1gib_cgroup() {
     assert_eq!(text, from_dir);
 
     // The control: keeping every expert resident does not fit in the same limit, and the kernel says so.
-    let (resident, _, _) = group.run(&["generate", "-m", d, "--prompt", "x", "-n", "1", "--experts", "resident"]);
+    let (resident, _, err) = group.run(&["generate", "-m", d, "--prompt", "x", "-n", "1", "--experts", "resident"]);
     assert!(
         !resident,
         "a resident load of {experts} bytes fit in {LIMIT}: the limit does not bite"
     );
     assert!(group.oom_kills() > 0);
+    // It was told before it loaded.
+    assert!(err.contains("the memory plan needs"), "{err}");
 }
