@@ -378,18 +378,20 @@ impl DecoderDims {
 }
 
 /// The per-sequence memory a model of this architecture needs: K and V of `kv_bytes` per element for every
-/// full-attention layer, the f32 state and conv history of every linear-attention layer, and a prompt
-/// token's activations in a prefill pass.
+/// full-attention layer, the f32 state and conv history of every linear-attention layer (the current and the
+/// next), and a prompt token's activations in a prefill pass.
 pub(crate) fn footprint(arch: &Architecture, kv_bytes: u64) -> ModelFootprint {
     let d = &arch.dims;
     let f32s = 4u64;
     let linear = d.hybrid.as_ref().map_or(0, |h| h.linear.iter().filter(|&&l| l).count());
     let kv_layers = (d.layers - linear) as u64;
     let kv = kv_layers * 2 * (d.attn.kv_heads * d.attn.head_dim) as u64 * kv_bytes;
+    // Twice: a forward writes the next state beside the current one (out of place, so a failed step leaves
+    // the sequence as it was), and the cpu backend keeps the older buffers for the next forward.
     let state = d
         .hybrid
         .as_ref()
-        .map_or(0, |h| linear as u64 * h.delta.state_floats() as u64 * f32s);
+        .map_or(0, |h| 2 * linear as u64 * h.delta.state_floats() as u64 * f32s);
     ModelFootprint {
         kv_bytes_per_token: kv,
         state_bytes: state,
