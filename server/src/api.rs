@@ -617,21 +617,6 @@ impl Reply {
         json!({"prompt_tokens": self.prompt_tokens, "completion_tokens": generated, "total_tokens": self.prompt_tokens + generated})
     }
 
-    fn record(&self, stats: &sluice_runtime::GenerationStats) {
-        let m = &self.metrics;
-        m.e2e.observe(self.arrived.elapsed().as_secs_f64());
-        m.prompt_tokens.inc_by(stats.prompt_tokens as u64);
-        m.gen_tokens.inc_by(stats.generated_tokens as u64);
-        if !stats.prefill_time.is_zero() {
-            m.prompt_tps
-                .observe(stats.prompt_tokens as f64 / stats.prefill_time.as_secs_f64());
-        }
-        if !stats.decode_time.is_zero() && stats.decode_steps > 0 {
-            m.gen_tps
-                .observe(stats.decode_steps as f64 / stats.decode_time.as_secs_f64());
-        }
-    }
-
     fn chunk(&self, text: Option<&str>, finish: Option<&str>) -> Value {
         let choice = if self.chat {
             let delta = match text {
@@ -661,7 +646,6 @@ async fn whole_reply(r: Reply, mut rx: mpsc::UnboundedReceiver<Event>) -> Result
                 text.push_str(&t);
             }
             Some(Event::Done(stats)) => {
-                r.record(&stats);
                 let fr = finish_reason(stats.finish);
                 let choice = if r.chat {
                     json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": fr})
@@ -722,7 +706,6 @@ fn stream_reply(r: Reply, rx: mpsc::UnboundedReceiver<Event>) -> Sse<impl Stream
                         return Some((vec![ev], (r, rx, last, false)));
                     }
                     Some(Event::Done(stats)) => {
-                        r.record(&stats);
                         let mut evs = vec![
                             SseEvent::default().data(r.chunk(None, Some(finish_reason(stats.finish))).to_string())
                         ];

@@ -221,8 +221,14 @@ fn run(p: Pipeline, queue: &Queue, running: Arc<AtomicUsize>, m: Arc<Metrics>) {
             Err(e) => Err(e),
         });
         running.store(0, Ordering::SeqCst);
-        if matches!(&result, Ok(s) if s.finish == sluice_runtime::FinishReason::Cancelled) {
-            m.cancelled.inc();
+        // Every request the engine took counts here, also one whose client left or that failed: counted where
+        // the reply is written, those would be missing from the tokens and, the slowest, from the latency.
+        m.e2e.observe(job.arrived.elapsed().as_secs_f64());
+        if let Ok(stats) = &result {
+            m.record_generation(stats);
+            if stats.finish == sluice_runtime::FinishReason::Cancelled {
+                m.cancelled.inc();
+            }
         }
         let _ = events.send(match result {
             Ok(stats) => Event::Done(stats),

@@ -80,6 +80,21 @@ fn seconds() -> Vec<f64> {
 }
 
 impl Metrics {
+    /// Counts a generation's tokens and speeds, however it ended (the engine calls it: a client that left
+    /// mid-stream never reads the end).
+    pub fn record_generation(&self, stats: &sluice_runtime::GenerationStats) {
+        self.prompt_tokens.inc_by(stats.prompt_tokens as u64);
+        self.gen_tokens.inc_by(stats.generated_tokens as u64);
+        if !stats.prefill_time.is_zero() {
+            self.prompt_tps
+                .observe(stats.prompt_tokens as f64 / stats.prefill_time.as_secs_f64());
+        }
+        if !stats.decode_time.is_zero() && stats.decode_steps > 0 {
+            self.gen_tps
+                .observe(stats.decode_steps as f64 / stats.decode_time.as_secs_f64());
+        }
+    }
+
     /// Registers every metric; `store` adds the expert-store series, `cache_bytes` the slot budget.
     pub fn new(top_k: usize, store: Option<Arc<StoreCounters>>, cache_bytes: u64) -> Arc<Self> {
         let registry = Registry::new();
@@ -190,7 +205,10 @@ impl Metrics {
                     "Latency of one expert record read",
                     LATENCY_BOUNDS.to_vec(),
                 ),
-                depth: Gauge::new("sluice_expert_read_queue_depth", "Effective expert read queue depth")
+                depth: Gauge::new(
+                    "sluice_expert_read_queue_depth",
+                    "Expert reads in flight on average while any was, since the previous scrape",
+                )
                     .expect("valid gauge"),
                 slots_backed: gauge(
                     "sluice_expert_slots_backed",
@@ -303,7 +321,8 @@ impl StoreMetrics {
                 self.read_latency.observe(v);
             }
         }
-        self.depth.set(now.effective_queue_depth());
+        // Over the interval: the average since start would hardly move after a few hours of serving.
+        self.depth.set(d.effective_queue_depth());
         self.slots_backed.set(i64::from(self.backed()));
         *last = now;
     }
@@ -359,5 +378,26 @@ mod tests {
             counters.hits.load(Ordering::Relaxed) as f64
         );
         assert_eq!(value(&page, "sluice_expert_read_latency_seconds_count"), reads as f64);
+    }
+
+    #[test]
+    fn the_read_depth_gauge_is_that_of_the_last_interval() {
+        let counters = Arc::new(StoreCounters::default());
+        let metrics = Metrics::new(4, Some(counters.clone()), 0);
+        let read = |busy_ms: u64, active_ms: u64| {
+            counters.read_busy_ns.fetch_add(busy_ms * 1_000_000, Ordering::Relaxed);
+            counters
+                .read_active_ns
+                .fetch_add(active_ms * 1_000_000, Ordering::Relaxed);
+        };
+        let depth = || value(&metrics.render(0, 0), "sluice_expert_read_queue_depth");
+        // An hour at depth 1, then a minute at depth 8: the gauge says 8, not the average since start (1.1).
+        read(3_600_000, 3_600_000);
+        assert!((depth() - 1.0).abs() < 1e-9);
+        read(480_000, 60_000);
+        let d = depth();
+        assert!((d - 8.0).abs() < 1e-9, "{d}");
+        // No reads since: none in flight.
+        assert_eq!(depth(), 0.0);
     }
 }

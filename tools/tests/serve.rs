@@ -684,6 +684,15 @@ fn a_client_that_disconnects_frees_the_engine() {
     loop {
         let (_, m) = request(&s, "GET", "/metrics", "");
         if m.contains("sluice_requests_cancelled_total 1") && m.contains("sluice_requests_running 0") {
+            // Both requests count in the latency, and the abandoned one's tokens in the totals (they were
+            // counted where the reply is written, which a client that left never reaches).
+            assert!(m.contains("sluice_e2e_request_latency_seconds_count 2"), "{m}");
+            let generated = m
+                .lines()
+                .find_map(|l| l.strip_prefix("sluice_generation_tokens_total "))
+                .and_then(|n| n.parse::<u64>().ok());
+            let next_tokens = v["usage"]["completion_tokens"].as_u64().unwrap();
+            assert!(generated.is_some_and(|g| g > next_tokens), "{m}");
             break;
         }
         assert!(t.elapsed() < Duration::from_secs(30), "{m}");
