@@ -69,6 +69,27 @@ pub struct LayerManifest {
     pub stored_parts: Option<Vec<(u64, u64)>>,
     /// One per expert, by expert index.
     pub records: Vec<RecordManifest>,
+    /// xxh3-64 of a sample of the checkpoint's bytes this layer was converted from (see [`source_sample`]),
+    /// as 16 hex digits; opening checks it against the model directory, which may have changed since
+    /// (stores from before it have none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_sample: Option<String>,
+}
+
+/// Bytes of each of a layer's source tensors that [`source_sample`] hashes.
+const SOURCE_SAMPLE_BYTES: usize = 4096;
+
+/// A fingerprint of the checkpoint bytes a layer's records come from, cheap enough to take at every load: the
+/// first [`SOURCE_SAMPLE_BYTES`] of expert 0 in each stacked tensor. A model directory updated after
+/// `convert` (a new revision, a fine-tune, a re-quantization with the same shapes) changes them, while the
+/// store's own checksums would still pass and its stale experts would silently mix with new weights.
+fn source_sample(ckpt: &Checkpoint, s: &StackedExperts) -> Result<String, StoreError> {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for name in &s.tensors {
+        let (t, stride) = s.part(ckpt, name)?;
+        h.update(&t.bytes()[..stride.min(SOURCE_SAMPLE_BYTES)]);
+    }
+    Ok(format!("{:016x}", h.digest()))
 }
 
 /// One component tensor of a record.
@@ -269,6 +290,19 @@ impl PackedStore {
                         want
                     ),
                 ));
+            }
+            if let Some(sample) = &l.source_sample {
+                if *sample != source_sample(ckpt, s)? {
+                    return Err(bad(
+                        &mpath,
+                        format!(
+                            "layer {}'s experts in {} differ from those the store was converted from: the model \
+                             directory changed since `sluice convert`; convert it again (--force replaces the store)",
+                            s.layer,
+                            ckpt.dir().display()
+                        ),
+                    ));
+                }
             }
         }
         Ok(())
@@ -490,6 +524,7 @@ pub fn convert(
             layout,
             stored_parts: stored.map(|to| to.into_iter().map(|(off, len)| (off as u64, len as u64)).collect()),
             records,
+            source_sample: Some(source_sample(ckpt, s)?),
         });
     }
     file.sync_all().map_err(io_err(&tmp))?;

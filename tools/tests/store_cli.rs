@@ -278,3 +278,37 @@ fn bad_engine_flags_and_stores_are_clear_errors() {
     ]);
     assert!(e.contains("config.json"), "{e}");
 }
+
+/// A store remembers a sample of the checkpoint it came from: once the model directory's experts change (a
+/// new revision with the same shapes), the store is refused instead of mixing stale experts with new weights.
+#[test]
+fn a_store_refuses_a_model_directory_changed_since_convert() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    for f in std::fs::read_dir(fixture("qwen3_moe-q4g64")).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, model.join(f.file_name().unwrap())).unwrap();
+    }
+    let store = tmp.path().join("store");
+    ok(&["convert", "-m", model.to_str().unwrap(), "-o", store.to_str().unwrap()]);
+    let (before, _) = generate(&store, &[]);
+    assert_eq!(before, generate(&model, &[]).0);
+
+    // The same file with one byte of layer 1's first expert changed, as a new revision of the weights would.
+    let path = model.join("model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    let name = "model.layers.1.mlp.switch_mlp.down_proj.weight";
+    let start = header[name]["data_offsets"][0]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{name} in {header}")) as usize;
+    bytes[8 + header_len + start + 100] ^= 0x5a;
+    std::fs::write(&path, bytes).unwrap();
+    let e = fails(&["generate", "-m", store.to_str().unwrap(), "--prompt", "hi", "-n", "2"]);
+    assert!(
+        e.contains("layer 1's experts") && e.contains("changed since `sluice convert`"),
+        "{e}"
+    );
+}
