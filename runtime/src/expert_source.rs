@@ -10,7 +10,7 @@ use expert_store::{
 
 use crate::error::{ModelError, Result};
 use crate::memory_plan::{ExpertPlacement, MachineMemory, MemoryPlan, ModelFootprint, PlanRequest};
-use crate::options::{ExpertMode, ExpertOptions, IoMode};
+use crate::options::{BackendKind, ExpertMode, ExpertOptions, IoMode};
 
 /// An expert source with the memory plan that sized it.
 pub(crate) struct OpenedSource {
@@ -37,7 +37,7 @@ pub(crate) fn open_source(
         .filter_map(|n| ckpt.get(n))
         .map(|t| t.bytes().len() as u64)
         .sum();
-    footprint.resident_weights = (ckpt.total_bytes() as u64).saturating_sub(stacked);
+    footprint.resident_weights = resident_weight_bytes(ckpt, stacks, opts.backend);
     footprint.expert_bytes = stacked;
     #[cfg_attr(not(feature = "mlx"), allow(unused_mut))]
     let mut machine = MachineMemory::probe();
@@ -126,6 +126,26 @@ pub(crate) fn open_source(
         plan,
         rewritten,
     })
+}
+
+/// What the weights outside the expert stacks take once loaded: as stored (the cpu backend computes from the
+/// mapped file), except that the mlx backend keeps every 16-bit float tensor (norms, dense weights,
+/// quantization scales and biases) as an f32 copy (`backend/mlx/ops.rs`), twice its size on disk.
+fn resident_weight_bytes(ckpt: &Checkpoint, stacks: &[StackedExperts], backend: BackendKind) -> u64 {
+    let stacked: std::collections::HashSet<&str> = stacks.iter().flat_map(|s| &s.tensors).map(String::as_str).collect();
+    (ckpt.names())
+        .filter(|n| !stacked.contains(n))
+        .filter_map(|n| ckpt.get(n))
+        .map(|t| {
+            let bytes = t.bytes().len() as u64;
+            let half = matches!(t.dtype, expert_store::Dtype::F16 | expert_store::Dtype::BF16);
+            if backend == BackendKind::Mlx && half {
+                2 * bytes
+            } else {
+                bytes
+            }
+        })
+        .sum()
 }
 
 /// Says so (without `-v`) when the plan's budgets overrun its limit: an explicit `--experts resident`,

@@ -125,6 +125,28 @@ fn mlx_kv_cache_grows_and_rewinds_like_cpu() {
     }
 }
 
+/// The mlx backend keeps 16-bit float weights as f32 copies: its plan counts them at twice the cpu backend's
+/// size (a bf16 model's non-expert weights exactly double; a 4-bit one's grow by its scales and biases).
+#[test]
+fn mlx_plans_its_f32_copies_of_half_precision_weights() {
+    let resident = |name: &str, backend| {
+        load(&common::fixture(name), backend, ExpertMode::Mmap, None)
+            .memory_plan
+            .model
+            .resident_weights
+    };
+    let (cpu, mlx) = (
+        resident("qwen3_moe-bf16", BackendKind::Cpu),
+        resident("qwen3_moe-bf16", BackendKind::Mlx),
+    );
+    assert_eq!(mlx, 2 * cpu);
+    let (cpu, mlx) = (
+        resident("qwen3_moe-q4g64", BackendKind::Cpu),
+        resident("qwen3_moe-q4g64", BackendKind::Mlx),
+    );
+    assert!(mlx > cpu && mlx < 2 * cpu, "cpu {cpu}, mlx {mlx}");
+}
+
 #[test]
 fn mlx_checkpoints_restore_exactly() {
     let dir = common::fixture("qwen3_5_moe-q4g64");
