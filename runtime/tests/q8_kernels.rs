@@ -351,11 +351,34 @@ fn trained_perplexity_stays_within_half_a_percent_of_mlx_lm() {
     use sluice_runtime::eval::evaluate;
     use sluice_runtime::{ExpertOptions, Pipeline};
 
-    let _on = q8_on();
+    // The cpu backend, whatever the build's default (the mlx one on a Mac).
     let opts = ExpertOptions {
         kv_cache: KvType::F16,
+        backend: sluice_runtime::BackendKind::Cpu,
         ..ExpertOptions::default()
     };
+    // The gate is about the int8 kernels: they must be what runs here. With them the logits differ from the
+    // float kernels' by activation rounding; a CPU without them (or SLUICE_ISA=scalar) would run the float
+    // kernels under the q8 switch and pass the gate without testing it.
+    {
+        let p = Pipeline::load_with(&common::fixture(TRAINED_TARGETS[0]), &opts).unwrap();
+        let logits = |q8: bool| {
+            let _alone = SWITCH.write().unwrap_or_else(|e| e.into_inner());
+            set_q8_activations(q8);
+            let out = p
+                .model
+                .forward(&[1, 2, 3, 4], &mut p.model.new_cache(), &Default::default());
+            set_q8_activations(true);
+            out.unwrap()
+        };
+        assert_ne!(
+            logits(true),
+            logits(false),
+            "the int8 kernels did not run on this CPU ({:?}): the gate would test the float kernels",
+            Isa::detect()
+        );
+    }
+    let _on = q8_on();
     for name in TRAINED_TARGETS {
         let dir = common::fixture(name);
         let g = EvalGolden::load(&dir);
