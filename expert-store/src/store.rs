@@ -272,11 +272,13 @@ impl PackedStore {
                 )
             })?;
             let want = expected_parts(ckpt, s)?;
-            let got: Vec<(&str, &str, &[usize], u64)> = (l.parts.iter())
-                .map(|p| (p.tensor.as_str(), p.dtype.as_str(), p.shape.as_slice(), p.len))
+            // Offsets too: an edited one would slice a record wrongly while its checksum still matched.
+            type Part<'a> = (&'a str, &'a str, &'a [usize], u64, u64);
+            let got: Vec<Part> = (l.parts.iter())
+                .map(|p| (p.tensor.as_str(), p.dtype.as_str(), p.shape.as_slice(), p.offset, p.len))
                 .collect();
-            let want: Vec<(&str, &str, &[usize], u64)> = (want.iter())
-                .map(|p| (p.tensor.as_str(), p.dtype.as_str(), p.shape.as_slice(), p.len))
+            let want: Vec<Part> = (want.iter())
+                .map(|p| (p.tensor.as_str(), p.dtype.as_str(), p.shape.as_slice(), p.offset, p.len))
                 .collect();
             if got != want || l.records.len() != s.num_experts {
                 return Err(bad(
@@ -422,6 +424,15 @@ pub fn convert(
         let non_empty = (std::fs::read_dir(out).map_err(io_err(out))?)
             .filter_map(|e| e.ok())
             .any(|e| !leftovers.iter().any(|l| e.file_name() == l.as_str()));
+        if non_empty && out.join(DATA_FILE).exists() {
+            return Err(bad(
+                out,
+                format!(
+                    "holds {DATA_FILE} without its manifest (an interrupted convert?); pass --force to replace it, \
+                     or choose a new directory"
+                ),
+            ));
+        }
         if non_empty {
             return Err(bad(
                 out,

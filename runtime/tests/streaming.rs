@@ -388,6 +388,18 @@ fn corrupt_stores_are_clear_errors() {
         "{err}"
     );
 
+    // A part's offset edited inside its record (the record checksums still match): refused at load.
+    m["model_dir"] = serde_json::Value::String(dir.canonicalize().unwrap().display().to_string());
+    let mut moved = m.clone();
+    let offset = moved["layers"][0]["parts"][1]["offset"].as_u64().unwrap();
+    moved["layers"][0]["parts"][1]["offset"] = (offset + 4096).into();
+    std::fs::write(&mpath, serde_json::to_string(&moved).unwrap()).unwrap();
+    let err = Pipeline::load_with(&store_dir, &all).err().map(|e| e.to_string());
+    assert!(
+        err.as_ref().is_some_and(|e| e.contains("disagrees with the model")),
+        "{err:?}"
+    );
+
     // A layer that lists no records, with a record length no file holds: refused at open, before `inspect
     // --verify` would size a buffer by it.
     m["model_dir"] = serde_json::Value::String(dir.canonicalize().unwrap().display().to_string());
@@ -440,8 +452,8 @@ fn corrupt_stores_are_clear_errors() {
         .unwrap()
         .to_string();
     assert!(
-        err.contains("not empty"),
-        "without --force a data file is not taken as ours: {err}"
+        err.contains("without its manifest") && err.contains("--force"),
+        "without --force a data file is not taken as ours, and the error says how to replace it: {err}"
     );
     convert_model(&dir, &store_dir, true, StoreLayout::Mlx, &|_, _| {}).unwrap();
     assert!(PackedStore::open(&store_dir).is_ok());

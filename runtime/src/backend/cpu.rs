@@ -188,7 +188,9 @@ impl CpuBackend {
         next_conv.clear();
         next_conv.extend_from_slice(&window[n * c..]);
         next_ssm.resize(st.ssm.len(), 0.0);
-        // q = l2norm(q)/√Dk, k = l2norm(k), as mlx-lm does it: an RMSNorm with eps 1e-6/Dk, scaled.
+        // q = l2norm(q)/√Dk, k = l2norm(k) with the model's own l2norm (HF / flash-linear-attention:
+        // x/√(Σx² + 1e-6)), written as an RMSNorm with eps 1e-6/Dk, scaled. mlx-lm puts eps 1e-6 on the mean
+        // instead, which differs only for heads near zero (|x| ~ 1e-3).
         let inv = 1.0 / (dk as f32).sqrt();
         let rms_eps = 1e-6 * inv * inv;
         for row in u.chunks_mut(c) {

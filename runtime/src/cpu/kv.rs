@@ -29,7 +29,8 @@ pub enum KvType {
     #[default]
     F32,
     /// IEEE half: half the memory and the bytes read per step (about 3 significant digits; K and V are
-    /// normalized activations, well inside its range).
+    /// projections of normalized activations, far inside its range; a value beyond ±65504 is kept at the
+    /// largest half instead of becoming infinite).
     F16,
 }
 
@@ -82,7 +83,8 @@ impl KvElem for f16 {
     }
     #[inline(always)]
     fn from_f32(x: f32) -> Self {
-        f16::from_f32(x)
+        // Saturating: an infinite key would turn every later score of its head into NaN.
+        f16::from_f32(x.clamp(-f16::MAX.to_f32(), f16::MAX.to_f32()))
     }
     #[inline(always)]
     fn to_f32(self) -> f32 {
@@ -368,6 +370,14 @@ pub(super) fn weighted_values_scalar<T: KvElem>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn half_keys_and_values_saturate_instead_of_overflowing() {
+        for (x, want) in [(1e6f32, 65504.0f32), (-7e4, -65504.0), (65504.0, 65504.0), (1.5, 1.5)] {
+            assert_eq!(<f16 as KvElem>::from_f32(x).to_f32(), want, "{x}");
+        }
+        assert!(<f16 as KvElem>::from_f32(f32::NAN).to_f32().is_nan());
+    }
 
     fn rows(n: usize, hd: usize, seed: u32) -> Vec<f32> {
         (0..n * hd)
