@@ -61,38 +61,45 @@ pub(crate) fn open_source(
         return Ok(unwritten(Arc::new(InMemoryExpertSource::new()), plan_for(footprint)));
     }
     // The read mode is decided on the checkpoint's sizes (the table's reads depend on it); the plan is then
-    // redone on what the reads cost and keeps that decision.
-    let direct = plan_for(footprint).direct_io;
-    let (table, direct) = match store {
-        Some(s) => {
-            if opts.mode == ExpertMode::Mmap {
-                return Err(ModelError::InvalidArgument(
-                    "--experts mmap views a model directory in place; a packed store is read with pread".into(),
-                ));
-            }
-            open_table(|d| s.table(d), direct, opts.io)?
-        }
-        None if opts.mode == ExpertMode::Mmap => {
-            return Ok(unwritten(
-                Arc::new(MmapExpertSource::new(ckpt, stacks)?),
-                plan_for(footprint),
-            ))
-        }
-        None => open_table(|d| RecordTable::in_place(ckpt, stacks, d), direct, opts.io)?,
+    // redone on what the slots take and keeps that decision, unless the slots' padding moved the experts from
+    // resident to streamed, which `--io auto` reads direct: then the table is opened again for direct reads.
+    let wanted = plan_for(footprint).direct_io;
+    if store.is_some() && opts.mode == ExpertMode::Mmap {
+        return Err(ModelError::InvalidArgument(
+            "--experts mmap views a model directory in place; a packed store is read with pread".into(),
+        ));
+    }
+    if opts.mode == ExpertMode::Mmap {
+        return Ok(unwritten(
+            Arc::new(MmapExpertSource::new(ckpt, stacks)?),
+            plan_for(footprint),
+        ));
+    }
+    let open = |direct: bool| -> Result<(RecordTable, bool)> {
+        let (table, direct) = match store {
+            Some(s) => open_table(|d| s.table(d), direct, opts.io)?,
+            None => open_table(|d| RecordTable::in_place(ckpt, stacks, d), direct, opts.io)?,
+        };
+        let table = match &rewrite {
+            Some(t) => table.with_transform(Arc::clone(t))?,
+            None => table,
+        };
+        Ok((table, direct))
     };
+    let (mut table, mut direct) = open(wanted)?;
     let rewritten = rewrite.is_some();
-    let table = match rewrite {
-        Some(t) => table.with_transform(t)?,
-        None => table,
-    };
     // What the slots take to hold every record: a slot per record, each as long as the longest (records of
     // mixed-precision layers differ; packed ones are padded), aligned. Planning on the records' own sizes
     // instead would let a resident arena outgrow its plan (by ~2 GB on a mixed 3/6-bit 30B).
     let every_record = slot_arena_bytes(table.len() as u64, table.max_slot_len() as u64);
     footprint.expert_bytes = every_record;
+    let planned = plan_for(footprint);
+    if opts.io == IoMode::Auto && planned.direct_io && !wanted {
+        (table, direct) = open(true)?;
+    }
     let plan = MemoryPlan {
         direct_io: direct,
-        ..plan_for(footprint)
+        ..planned
     };
     warn_unless_fits(&plan);
     let preload = plan.placement == ExpertPlacement::Resident;
