@@ -18,7 +18,8 @@
 //!   for 22% of the prefill and the second for 1%).
 //! - **room for experts** = limit − resident weights − KV − prefill activations − margin.
 //! - `--experts auto` keeps every expert resident when they fit in that room, else streams them.
-//! - A **draft model** and a **prefix cache** take their bytes off the room too (none exist yet).
+//! - A **draft model** and a **prefix cache** take their bytes off the room too (none exist yet), and so do
+//!   the full-vocabulary **logits** a command holds beside the pass (`eval`: a window's and its reference's).
 //! - The streamed **expert cache** (slots under a hard budget) is `--expert-cache` when given, else the
 //!   whole room for experts (at least 256 MiB, at most the experts themselves). When the plan fits the
 //!   limit, the slots are backed with memory from the start; an overcommitted one stays lazy.
@@ -88,6 +89,8 @@ pub struct ModelFootprint {
     pub kv_bytes_per_token: u64,
     /// Fixed per-sequence state (hybrid models' recurrent and conv state).
     pub state_bytes: u64,
+    /// One row of full-vocabulary f32 logits.
+    pub logit_bytes_per_row: u64,
     /// The model's own context limit.
     pub context_length: usize,
     /// Activations one prompt token holds at the peak of a prefill pass (f32 hidden states, projections,
@@ -114,6 +117,8 @@ pub struct PlanRequest {
     pub draft_model: u64,
     /// A prefix cache shared between sequences (none yet: 0).
     pub prefix_cache: u64,
+    /// Rows of full-vocabulary logits held at once beside the pass (`eval`).
+    pub logit_rows: usize,
 }
 
 impl PlanRequest {
@@ -126,6 +131,7 @@ impl PlanRequest {
             context: opts.context,
             prefill_chunk: opts.prefill_chunk,
             gpu_buffers: opts.backend == BackendKind::Mlx && cfg!(target_os = "macos"),
+            logit_rows: opts.logit_rows,
             ..Self::default()
         }
     }
@@ -173,6 +179,8 @@ pub struct MemoryPlan {
     pub draft_model: u64,
     /// The prefix cache.
     pub prefix_cache: u64,
+    /// Full-vocabulary logits the caller holds (`eval`).
+    pub logits: u64,
 }
 
 /// KV tokens reserved when no context limit is given.
@@ -204,8 +212,10 @@ impl MemoryPlan {
             .kv_bytes_per_token
             .saturating_mul(kv_tokens as u64)
             .saturating_add(model.state_bytes);
+        let logits = model.logit_bytes_per_row.saturating_mul(req.logit_rows as u64);
         let before_prefill = limit
             .saturating_sub(model.resident_weights)
+            .saturating_sub(logits)
             .saturating_sub(kv_per_sequence)
             .saturating_sub(req.draft_model)
             .saturating_sub(req.prefix_cache)
@@ -263,6 +273,7 @@ impl MemoryPlan {
             direct_io,
             draft_model: req.draft_model,
             prefix_cache: req.prefix_cache,
+            logits,
         }
     }
 
@@ -282,6 +293,7 @@ impl MemoryPlan {
             self.prefill_activations,
             self.draft_model,
             self.prefix_cache,
+            self.logits,
             self.margin,
         ]
         .iter()
@@ -350,6 +362,9 @@ impl fmt::Display for MemoryPlan {
         let optional = |b: u64| if b == 0 { "none".to_string() } else { gib(b) };
         writeln!(f, "  draft model      {:>11}", optional(self.draft_model))?;
         writeln!(f, "  prefix cache     {:>11}", optional(self.prefix_cache))?;
+        if self.logits > 0 {
+            writeln!(f, "  logits           {:>11} (held beside the pass)", gib(self.logits))?;
+        }
         writeln!(f, "  margin           {:>11}", gib(self.margin))?;
         write!(f, "  total            {:>11}", gib(self.total()))
     }
@@ -384,6 +399,7 @@ mod tests {
             expert_bytes: 48 * 256 * record,
             kv_bytes_per_token: 12 * 2 * 2 * 256 * 4,
             state_bytes: 36 * (64 * 128 * 128 + 3 * 12288) * 4,
+            logit_bytes_per_row: 248_320 * 4,
             context_length: 262_144,
             // 3 hidden vectors + the router's 256 logits + 8 experts' inputs, outputs, gate and up outputs
             // + the shared expert's 1024-wide intermediates (the widest stage), f32.
@@ -442,9 +458,24 @@ mod tests {
             expert_bytes: 16 * GIB,
             kv_bytes_per_token: 48 * 2 * 4 * 128 * 4,
             state_bytes: 0,
+            logit_bytes_per_row: 151_936 * 4,
             context_length: 40960,
             activation_bytes_per_token: 200_000,
         };
+        // `eval`'s logits (a window's and its reference's) take their bytes off the room, and count.
+        let plain = MemoryPlan::new(machine, small, &PlanRequest::default());
+        let eval = MemoryPlan::new(
+            machine,
+            small,
+            &PlanRequest {
+                logit_rows: 2 * 4096,
+                ..PlanRequest::default()
+            },
+        );
+        assert_eq!(eval.logits, 2 * 4096 * 151_936 * 4);
+        assert_eq!(plain.room - eval.room, eval.logits);
+        assert_eq!(eval.fixed_bytes() - plain.fixed_bytes(), eval.logits);
+        assert!(format!("{eval}").contains("logits") && !format!("{plain}").contains("logits"));
         let p = MemoryPlan::new(machine, small, &PlanRequest::default());
         assert_eq!(p.placement, ExpertPlacement::Resident);
         assert_eq!(p.expert_cache, 16 * GIB);

@@ -88,6 +88,9 @@ pub struct ExpertOptions {
     pub prefill_chunk: Option<usize>,
     /// Element type of the `cpu` backend's KV caches (the other backends keep f32).
     pub kv_cache: KvType,
+    /// Rows of full-vocabulary logits the caller holds at once (`eval`: a window's and its reference's), which
+    /// the plan budgets beside the pass; 0 for generation, which keeps one row.
+    pub logit_rows: usize,
 }
 
 /// Which compute backend runs the model (see [`crate::backend`]).
@@ -154,6 +157,7 @@ impl Default for ExpertOptions {
             context: None,
             prefill_chunk: None,
             kv_cache: KvType::F32,
+            logit_rows: 0,
         }
     }
 }

@@ -84,8 +84,10 @@ pub fn run(a: EvalArgs) -> Result<()> {
     let text = std::fs::read_to_string(&a.text).with_context(|| format!("reading {}", a.text.display()))?;
     let mut opts = a.engine.options()?;
     opts.context = Some(a.ctx);
-    // Each window is one forward pass of `ctx` tokens: the plan budgets its activations.
+    // Each window is one forward pass of `ctx` tokens: the plan budgets its activations, and the window's
+    // logits at every position with the reference's beside them.
     opts.prefill_chunk = Some(a.ctx);
+    opts.logit_rows = 2 * a.ctx;
     let p = Pipeline::load_with(&a.model, &opts).with_context(|| format!("loading {}", a.model.display()))?;
     let m = &p.model;
     if a.engine.verbose {

@@ -119,6 +119,7 @@ impl EngineArgs {
                 (KvCacheArg::F16, _) | (KvCacheArg::Auto, Kernels::Q8) => KvType::F16,
                 (KvCacheArg::F32, _) | (KvCacheArg::Auto, Kernels::Exact) => KvType::F32,
             },
+            logit_rows: 0,
         })
     }
 }

@@ -395,6 +395,7 @@ pub(crate) fn footprint(arch: &Architecture, kv_bytes: u64) -> ModelFootprint {
     ModelFootprint {
         kv_bytes_per_token: kv,
         state_bytes: state,
+        logit_bytes_per_row: d.vocab as u64 * f32s,
         context_length: d.context_length,
         activation_bytes_per_token: activation_floats(arch) as u64 * f32s,
         ..ModelFootprint::default()
