@@ -267,22 +267,37 @@ fn endpoints_match_generate_streaming_and_not() {
     ] {
         assert!(m.contains(name), "{name} missing from /metrics");
     }
-    // Every metric the Grafana dashboard queries exists.
+    // Every metric the Grafana dashboard queries exists with the type its query needs: a histogram through
+    // its `_bucket` series, and `rate()` only over counters and buckets.
     let dash =
         std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../dashboards/sluice.json")).unwrap();
+    let types: std::collections::HashMap<&str, &str> = (m.lines())
+        .filter_map(|l| l.strip_prefix("# TYPE ")?.split_once(' '))
+        .collect();
+    let is_word = |c: char| c.is_ascii_alphanumeric() || c == '_';
     let mut queried = 0;
-    for word in dash.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
-        if let Some(base) = word.strip_prefix("sluice_") {
-            let name = format!("sluice_{base}");
-            let name = name.strip_suffix("_bucket").unwrap_or(&name);
-            assert!(
-                m.contains(&format!("\n{name}")) || m.contains(&format!("# TYPE {name} ")),
-                "dashboard queries {name}, not exported"
-            );
-            queried += 1;
-        }
+    for word in dash.split(|c: char| !is_word(c)).filter(|w| w.starts_with("sluice_")) {
+        let (name, histogram) = match word.strip_suffix("_bucket") {
+            Some(base) => (base, true),
+            None => (word, false),
+        };
+        let Some(&ty) = types.get(name) else {
+            panic!("dashboard queries {word}, not exported");
+        };
+        assert_eq!(ty == "histogram", histogram, "dashboard queries {word}, a {ty}");
+        queried += 1;
     }
     assert!(queried >= 20, "dashboard queries only {queried} sluice metrics");
+    for rated in dash.split("rate(").skip(1) {
+        let name = rated.split(|c: char| !is_word(c)).next().unwrap_or("");
+        if name.starts_with("sluice_") && !name.ends_with("_bucket") {
+            assert_eq!(
+                types.get(name),
+                Some(&"counter"),
+                "the dashboard takes rate() of {name}"
+            );
+        }
+    }
 }
 
 #[test]
