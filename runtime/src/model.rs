@@ -419,7 +419,7 @@ impl<B: Backend> Runner for Model<B> {
                             slot.clone_from(&per_seq[j]);
                         }
                     }
-                    seq.commit(spans[j].len());
+                    seq.commit(&ids[spans[j].rows.clone()]);
                 }
                 Ok(logits)
             }
@@ -447,6 +447,7 @@ impl<B: Backend> Runner for Model<B> {
             layers,
             len: 0,
             last_experts: vec![Vec::new(); self.layers.len()],
+            prefixes: vec![0],
         })
     }
 

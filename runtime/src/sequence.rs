@@ -35,6 +35,17 @@ pub(crate) struct Sequence<B: Backend> {
     pub len: usize,
     /// Per layer, the experts the last token was routed to (the prev-token prefetch prediction).
     pub last_experts: Vec<Vec<usize>>,
+    /// `prefixes[i]` fingerprints the first `i` tokens (`prefixes[0]` the empty sequence): a checkpoint
+    /// restores only onto the tokens it was taken after, not onto a branch that rewrote them since.
+    pub prefixes: Vec<u64>,
+}
+
+/// The fingerprint of a prefix followed by `token` (splitmix64's finaliser over the pair).
+fn extend_prefix(prefix: u64, token: u32) -> u64 {
+    let mut z = prefix ^ (u64::from(token) + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 impl<B: Backend> Clone for Sequence<B> {
@@ -44,6 +55,7 @@ impl<B: Backend> Clone for Sequence<B> {
             layers: self.layers.clone(),
             len: self.len,
             last_experts: self.last_experts.clone(),
+            prefixes: self.prefixes.clone(),
         }
     }
 }
@@ -59,14 +71,23 @@ impl<B: Backend> Sequence<B> {
         }
     }
 
-    /// After a successful forward of `n` tokens.
-    pub fn commit(&mut self, n: usize) {
+    /// After a successful forward of `tokens`.
+    pub fn commit(&mut self, tokens: &[u32]) {
         for l in &mut self.layers {
             if let LayerState::Recurrent(r) = l {
                 r.commit();
             }
         }
-        self.len += n;
+        for &t in tokens {
+            let last = self.prefixes.last().copied().unwrap_or(0);
+            self.prefixes.push(extend_prefix(last, t));
+        }
+        self.len += tokens.len();
+    }
+
+    /// The fingerprint of the first `len` tokens (0 for none, or past the end).
+    fn prefix(&self, len: usize) -> u64 {
+        self.prefixes.get(len).copied().unwrap_or(0)
     }
 }
 
@@ -86,6 +107,8 @@ pub(crate) trait SequenceState: Send {
 /// A snapshot of a sequence at one position.
 struct Snapshot<B: Backend> {
     len: usize,
+    /// The fingerprint of the tokens before `len`.
+    prefix: u64,
     /// Per layer: the KV length, or a copy of the recurrent state.
     layers: Vec<LayerSnapshot<B>>,
     last_experts: Vec<Vec<usize>>,
@@ -108,6 +131,7 @@ impl<B: Backend> SequenceState for Sequence<B> {
     fn checkpoint(&self) -> Box<dyn Any + Send> {
         Box::new(Snapshot::<B> {
             len: self.len,
+            prefix: self.prefix(self.len),
             layers: self
                 .layers
                 .iter()
@@ -142,6 +166,13 @@ impl<B: Backend> SequenceState for Sequence<B> {
         if !fits {
             return refuse(&format!("it is at position {}", cp.len));
         }
+        if self.prefix(cp.len) != cp.prefix {
+            return refuse(&format!(
+                "it was taken after other tokens than the cache now holds before position {}: a branch since \
+                 rewrote them",
+                cp.len
+            ));
+        }
         for (l, s) in self.layers.iter_mut().zip(&cp.layers) {
             match (l, s) {
                 (LayerState::Kv(k), LayerSnapshot::Kv(n)) => k.truncate(*n),
@@ -151,6 +182,7 @@ impl<B: Backend> SequenceState for Sequence<B> {
         }
         self.last_experts.clone_from(&cp.last_experts);
         self.len = cp.len;
+        self.prefixes.truncate(cp.len + 1);
         Ok(())
     }
 
@@ -172,6 +204,7 @@ impl<B: Backend> SequenceState for Sequence<B> {
             }
         }
         self.len = len;
+        self.prefixes.truncate(len + 1);
         Ok(())
     }
 

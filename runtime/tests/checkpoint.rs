@@ -143,3 +143,32 @@ fn a_checkpoint_from_another_model_is_refused() {
     assert!(e.contains("does not belong to this cache"), "{e}");
     assert_eq!(cb.len(), 4);
 }
+
+/// A checkpoint restores only onto the tokens it was taken after: once a restore to an earlier position and
+/// new tokens rewrote them, a later checkpoint of the old branch is refused (it would leave the new tokens'
+/// KV under the old branch's recurrent state). A fork shares its origin's prefix, so the origin's earlier
+/// checkpoints restore in it.
+#[test]
+fn a_checkpoint_of_a_rewritten_branch_is_refused() {
+    for name in ["qwen3_5_moe-q4g64", "qwen3_moe-q4g64"] {
+        let m = load_model(&common::fixture(name)).unwrap();
+        let mut cache = m.new_cache();
+        step(&m, &mut cache, &[1, 2, 3, 4, 5]);
+        let at5 = cache.checkpoint();
+        step(&m, &mut cache, &[6]);
+        let at6 = cache.checkpoint();
+        let mut fork = cache.fork();
+        cache.restore(&at5).unwrap();
+        step(&m, &mut cache, &[7, 8]);
+        let e = cache.restore(&at6).unwrap_err().to_string();
+        assert!(e.contains("a branch since rewrote them"), "{name}: {e}");
+        assert_eq!(cache.len(), 7, "{name}: a refused restore changes nothing");
+        // The same token again is the same branch: allowed, and continues like the original.
+        cache.restore(&at5).unwrap();
+        step(&m, &mut cache, &[6]);
+        cache.restore(&at6).unwrap();
+        let want = step(&m, &mut fork, &[9]);
+        assert!(step(&m, &mut cache, &[9]) == want, "{name}");
+        fork.restore(&at5).unwrap();
+    }
+}
