@@ -174,3 +174,18 @@ fn metal_working_set_comes_from_mlx_where_it_has_one() {
         assert_eq!(w, None);
     }
 }
+
+/// MLX's cache of freed buffers is held to half the plan's margin (its default is its whole memory limit,
+/// outside every budget).
+#[test]
+fn mlx_buffer_cache_is_held_to_half_the_margin() {
+    let m = load(
+        &common::fixture("qwen3_moe-q4g64"),
+        BackendKind::Mlx,
+        ExpertMode::Mmap,
+        None,
+    );
+    let limit = mlx_rs::memory::set_cache_limit(1 << 20).unwrap();
+    mlx_rs::memory::set_cache_limit(limit).unwrap();
+    assert_eq!(limit as u64, m.memory_plan.margin / 2);
+}

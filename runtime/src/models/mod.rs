@@ -134,7 +134,12 @@ pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &Expe
         )?),
         BackendKind::Reference => Box::new(build_decoder(ReferenceBackend, parts)?),
         #[cfg(feature = "mlx")]
-        BackendKind::Mlx => Box::new(build_decoder(crate::backend::mlx::MlxBackend, parts)?),
+        BackendKind::Mlx => {
+            // MLX keeps freed buffers for reuse, by default up to its whole memory limit: outside every budget
+            // of the plan. They are allocator slack, which the margin is for; half of it is theirs.
+            crate::backend::mlx::limit_buffer_cache(memory_plan.margin / 2);
+            Box::new(build_decoder(crate::backend::mlx::MlxBackend, parts)?)
+        }
         #[cfg(not(feature = "mlx"))]
         BackendKind::Mlx => {
             return Err(ModelError::InvalidArgument(

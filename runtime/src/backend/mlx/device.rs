@@ -1,4 +1,13 @@
-//! What MLX says about its device: Metal's recommended working-set size (the GPU's share of unified memory).
+//! What MLX says about its device: Metal's recommended working-set size (the GPU's share of unified memory),
+//! and the one allocator setting the memory plan makes.
+
+/// Caps the freed buffers MLX keeps for reuse at `bytes` (MLX's default is its whole memory limit).
+pub fn limit_buffer_cache(bytes: u64) {
+    let bytes = usize::try_from(bytes).unwrap_or(usize::MAX);
+    if let Err(e) = mlx_rs::memory::set_cache_limit(bytes) {
+        tracing::warn!("mlx: could not limit its buffer cache: {e}");
+    }
+}
 
 /// `max_recommended_working_set_size` of MLX's default device (Metal), if it reports one; the CPU build of MLX
 /// (Linux) does not.

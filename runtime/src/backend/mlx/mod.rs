@@ -13,7 +13,7 @@ mod device;
 mod ops;
 mod zero_copy;
 
-pub use device::recommended_working_set;
+pub use device::{limit_buffer_cache, recommended_working_set};
 
 use expert_store::ExpertRecord;
 use mlx_rs::fast::ScaledDotProductAttentionMask;
