@@ -73,9 +73,10 @@ fn gauge(name: &str, help: &str) -> IntGauge {
 }
 
 /// Latency buckets from 10 ms to 5 min.
+/// Latency buckets from 1 ms (a small model's tokens at several hundred a second) to 5 minutes.
 fn seconds() -> Vec<f64> {
     vec![
-        0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+        0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
     ]
 }
 
@@ -103,7 +104,10 @@ impl Metrics {
             &["endpoint", "status"],
         )
         .expect("valid counter");
-        let tps = vec![0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0];
+        // Up to 10k tokens a second: prefill of a prompt's chunk runs well past 1000 on small models.
+        let tps = vec![
+            0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0,
+        ];
         let m = Metrics {
             requests,
             ttft: hist(
