@@ -98,8 +98,8 @@ fn convert_of_a_model_bigger_than_the_limit_fits_in_a_1gib_cgroup() {
     assert!(data > 4 << 30, "the store holds only {data} bytes of experts");
 
     // The store decodes exactly like the directory (streamed through a 1 GiB slot cache, same tokens).
-    let gen = |m: &str| {
-        ok(&[
+    fn six_tokens(m: &str) -> Vec<&str> {
+        vec![
             "generate",
             "-m",
             m,
@@ -108,27 +108,15 @@ fn convert_of_a_model_bigger_than_the_limit_fits_in_a_1gib_cgroup() {
             "-n",
             "6",
             "--ignore-eos",
-            "--expert-cache",
-            "512M",
-        ])
-        .0
-    };
+        ]
+    }
+    let gen = |m: &str| ok(&[&six_tokens(m)[..], &["--expert-cache", "512M"]].concat()).0;
     let from_dir = gen(d);
     assert_eq!(gen(s), from_dir);
 
     // With no flags inside the cgroup, the plan keeps to its limit, not to the host's memory: the experts
     // stream through a cache that fits. Planned from /proc/meminfo alone, they were all loaded and killed.
-    let prompt = [
-        "generate",
-        "-m",
-        d,
-        "--prompt",
-        "one two three",
-        "-n",
-        "6",
-        "--ignore-eos",
-        "-v",
-    ];
+    let prompt = [&six_tokens(d)[..], &["-v"]].concat();
     let (fits, text, err) = group.run(&prompt);
     assert!(fits, "a default run in {LIMIT} bytes failed: {err}");
     assert!(err.contains("(memory cgroup limit 1.00 GiB)"), "{err}");

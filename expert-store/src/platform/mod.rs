@@ -579,11 +579,12 @@ mod tests {
             "mnt/a/b/memory.stat",
             "anon 350000\ninactive_file 200000\nactive_file 50000\n",
         );
-        let v2 = CgroupDir {
-            version: CgroupVersion::V2,
-            dir: tmp.path().join("mnt/a/b"),
-            mount: tmp.path().join("mnt"),
+        let at = |version, dir: &str, mount: &str| CgroupDir {
+            version,
+            dir: tmp.path().join(dir),
+            mount: tmp.path().join(mount),
         };
+        let v2 = at(CgroupVersion::V2, "mnt/a/b", "mnt");
         let got = os::cgroup_dir_memory(&v2).unwrap();
         assert_eq!((got.limit, got.used, got.available()), (1_000_000, 400_000, 600_000));
         // No limit on the way up: none.
@@ -596,11 +597,7 @@ mod tests {
             "v1/g/memory.stat",
             "cache 100\nhierarchical_memory_limit 2000000\ninactive_file 7\ntotal_inactive_file 100000\n",
         );
-        let v1 = CgroupDir {
-            version: CgroupVersion::V1,
-            dir: tmp.path().join("v1/g"),
-            mount: tmp.path().join("v1"),
-        };
+        let v1 = at(CgroupVersion::V1, "v1/g", "v1");
         let got = os::cgroup_dir_memory(&v1).unwrap();
         assert_eq!((got.limit, got.used), (2_000_000, 400_000));
         // Usage above the limit (reclaim pending) leaves nothing available, without wrapping.
