@@ -49,29 +49,51 @@ pub(super) fn cgroup_memory() -> Option<super::CgroupMemory> {
 }
 
 pub(super) fn cgroup_dir_memory(cg: &super::CgroupDir) -> Option<super::CgroupMemory> {
-    use super::{cgroup_limit, cgroup_stat, CgroupVersion};
+    use super::{cgroup_limit, cgroup_stat, CgroupMemory, CgroupVersion};
     let read = |dir: &Path, name: &str| std::fs::read_to_string(dir.join(name)).ok();
-    let (limit_file, usage_file, inactive_key) = match cg.version {
-        CgroupVersion::V1 => ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
-        CgroupVersion::V2 => ("memory.max", "memory.current", "inactive_file"),
+    let (limit_file, usage_file, file_keys) = match cg.version {
+        CgroupVersion::V1 => (
+            "memory.limit_in_bytes",
+            "memory.usage_in_bytes",
+            ["total_inactive_file", "total_active_file"],
+        ),
+        CgroupVersion::V2 => ("memory.max", "memory.current", ["inactive_file", "active_file"]),
     };
-    // A limit anywhere from the process's cgroup up to the mount binds it (v1 also sums it up in
-    // `hierarchical_memory_limit`).
-    let stat = read(&cg.dir, "memory.stat").unwrap_or_default();
-    let limit = cg
-        .dir
-        .ancestors()
+    // What a directory holds against its limit: its whole subtree's charge (siblings included, for a parent)
+    // less the file pages reclaim gives back, as MemAvailable counts the page cache.
+    let used = |dir: &Path, stat: &str| {
+        let charged = read(dir, usage_file)
+            .and_then(|t| t.trim().parse::<u64>().ok())
+            .unwrap_or(0);
+        let files: u64 = file_keys.iter().filter_map(|k| cgroup_stat(stat, k)).sum();
+        charged.saturating_sub(files)
+    };
+    // Every limit from the process's cgroup up to the mount binds it, each against its own directory's usage;
+    // the tightest room wins. v1 also states the hierarchy's limit in `hierarchical_memory_limit` (ancestors
+    // the mount may hide), taken against the process's own usage.
+    let own_stat = read(&cg.dir, "memory.stat").unwrap_or_default();
+    let hierarchical = cgroup_stat(&own_stat, "hierarchical_memory_limit")
+        .and_then(|n| cgroup_limit(&n.to_string()))
+        .map(|limit| CgroupMemory {
+            limit,
+            used: used(&cg.dir, &own_stat),
+        });
+    let walked = (cg.dir.ancestors())
         .take_while(|d| d.starts_with(&cg.mount))
-        .filter_map(|d| read(d, limit_file).as_deref().and_then(cgroup_limit))
-        .chain(cgroup_stat(&stat, "hierarchical_memory_limit").and_then(|n| cgroup_limit(&n.to_string())))
-        .min()?;
-    let charged = read(&cg.dir, usage_file)
-        .and_then(|t| t.trim().parse::<u64>().ok())
-        .unwrap_or(0);
-    let inactive = cgroup_stat(&stat, inactive_key).unwrap_or(0);
-    Some(super::CgroupMemory {
+        .filter_map(|d| {
+            let limit = read(d, limit_file).as_deref().and_then(cgroup_limit)?;
+            let stat = read(d, "memory.stat").unwrap_or_default();
+            Some(CgroupMemory {
+                limit,
+                used: used(d, &stat),
+            })
+        });
+    let all: Vec<CgroupMemory> = walked.chain(hierarchical).collect();
+    let limit = all.iter().map(|c| c.limit).min()?;
+    let available = all.iter().map(|c| c.available()).min()?;
+    Some(CgroupMemory {
         limit,
-        used: charged.saturating_sub(inactive),
+        used: limit.saturating_sub(available),
     })
 }
 

@@ -134,21 +134,28 @@ pub fn memory_cgroup_dirs(cgroup: &str, mountinfo: &str) -> Vec<CgroupDir> {
         } else {
             continue;
         };
-        let mount = mounts.iter().find(|(fstype, super_options, _, _)| match version {
-            CgroupVersion::V1 => *fstype == "cgroup" && super_options.split(',').any(|o| o == "memory"),
-            CgroupVersion::V2 => *fstype == "cgroup2",
-        });
-        let Some((_, _, root, mount)) = mount else {
+        // The mount shows the hierarchy from its `root` down: the process's path below it is what is under the
+        // mount point. Of several mounts of the hierarchy, the one whose root holds the path most closely; a
+        // path outside every mounted part (a cgroup namespace moved under us) leaves the first mount.
+        let below = |root: &str| match root {
+            "/" => Some(path),
+            _ => path
+                .strip_prefix(root)
+                .filter(|rest| rest.is_empty() || rest.starts_with('/')),
+        };
+        let of_hierarchy: Vec<_> = (mounts.iter())
+            .filter(|(fstype, super_options, _, _)| match version {
+                CgroupVersion::V1 => *fstype == "cgroup" && super_options.split(',').any(|o| o == "memory"),
+                CgroupVersion::V2 => *fstype == "cgroup2",
+            })
+            .collect();
+        let holding = (of_hierarchy.iter())
+            .filter(|(_, _, root, _)| below(root).is_some())
+            .max_by_key(|(_, _, root, _)| root.len());
+        let Some((_, _, root, mount)) = holding.or(of_hierarchy.first()) else {
             continue;
         };
-        // The mount shows the hierarchy from `root` down: the process's path below it is what is under the
-        // mount point. A path outside the mounted part (a cgroup namespace moved under us) leaves the mount.
-        let below = if root == "/" {
-            Some(path)
-        } else {
-            path.strip_prefix(root.as_str())
-                .filter(|rest| rest.is_empty() || rest.starts_with('/'))
-        };
+        let below = below(root);
         let mount = std::path::PathBuf::from(mount);
         let dir = match below.map(|b| b.trim_start_matches('/')) {
             Some(rel) if !rel.is_empty() && !rel.split('/').any(|c| c == "..") => mount.join(rel),
@@ -197,12 +204,13 @@ pub fn cgroup_stat(stat: &str, key: &str) -> Option<u64> {
     })
 }
 
-/// What a memory cgroup allows: its limit, and what is charged to it that reclaim would not give back.
+/// What a memory cgroup allows: its limit, and what is charged against it that reclaim would not give back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CgroupMemory {
     /// The least limit of the cgroup and its ancestors.
     pub limit: u64,
-    /// Charged memory less the inactive file pages reclaim takes first.
+    /// `limit` less the least room any of those limits leaves (a limit's room: it less its own directory's
+    /// charge, file pages not counted).
     pub used: u64,
 }
 
@@ -535,6 +543,12 @@ mod tests {
                 "{path}"
             );
         }
+        // Two mounts of the hierarchy: the one whose root holds the path.
+        let two = "50 40 0:35 /other /mnt/a rw - cgroup2 none rw\n51 40 0:35 /docker /mnt/b rw - cgroup2 none rw\n";
+        assert_eq!(
+            memory_cgroup_dirs("0::/docker/c1\n", two),
+            [at(CgroupVersion::V2, "/mnt/b/c1", "/mnt/b")]
+        );
         let escaped = "50 40 0:35 / /mnt/my\\040cgroups rw - cgroup2 none rw\n";
         assert_eq!(
             memory_cgroup_dirs("0::/../x\n", escaped),
@@ -569,10 +583,16 @@ mod tests {
             std::fs::create_dir_all(p.parent().unwrap()).unwrap();
             std::fs::write(p, text).unwrap();
         };
-        // v2: the parent's limit binds; a tighter one above the mount does not count.
+        // v2: the parent's limit binds against the parent's usage (a sibling's 900 kB of it), less its file
+        // pages; a tighter limit above the mount does not count.
         write("memory.max", "10\n");
         write("mnt/memory.max", "max\n");
         write("mnt/a/memory.max", "1000000\n");
+        write("mnt/a/memory.current", "900000\n");
+        write(
+            "mnt/a/memory.stat",
+            "anon 750000\ninactive_file 100000\nactive_file 50000\n",
+        );
         write("mnt/a/b/memory.max", "max\n");
         write("mnt/a/b/memory.current", "600000\n");
         write(
@@ -586,20 +606,26 @@ mod tests {
         };
         let v2 = at(CgroupVersion::V2, "mnt/a/b", "mnt");
         let got = os::cgroup_dir_memory(&v2).unwrap();
-        assert_eq!((got.limit, got.used, got.available()), (1_000_000, 400_000, 600_000));
+        assert_eq!((got.limit, got.available()), (1_000_000, 250_000));
+        // A looser limit of its own with less room (400 kB against its 350 kB used) is the tighter room.
+        write("mnt/a/b/memory.max", "400000\n");
+        let got = os::cgroup_dir_memory(&v2).unwrap();
+        assert_eq!((got.limit, got.available()), (400_000, 50_000));
         // No limit on the way up: none.
         write("mnt/a/memory.max", "max\n");
+        write("mnt/a/b/memory.max", "max\n");
         assert_eq!(os::cgroup_dir_memory(&v2), None);
         // v1: an unlimited own file, the hierarchy's limit from memory.stat.
         write("v1/g/memory.limit_in_bytes", "9223372036854771712\n");
         write("v1/g/memory.usage_in_bytes", "500000\n");
         write(
             "v1/g/memory.stat",
-            "cache 100\nhierarchical_memory_limit 2000000\ninactive_file 7\ntotal_inactive_file 100000\n",
+            "cache 100\nhierarchical_memory_limit 2000000\ninactive_file 7\ntotal_inactive_file 100000\n\
+             total_active_file 50000\n",
         );
         let v1 = at(CgroupVersion::V1, "v1/g", "v1");
         let got = os::cgroup_dir_memory(&v1).unwrap();
-        assert_eq!((got.limit, got.used), (2_000_000, 400_000));
+        assert_eq!((got.limit, got.used), (2_000_000, 350_000));
         // Usage above the limit (reclaim pending) leaves nothing available, without wrapping.
         write("v1/g/memory.usage_in_bytes", "5000000\n");
         assert_eq!(os::cgroup_dir_memory(&v1).unwrap().available(), 0);
