@@ -137,16 +137,20 @@ pub(crate) fn open_source(
 
 /// What the weights outside the expert stacks take once loaded: as stored (the cpu backend computes from the
 /// mapped file), except that the mlx backend keeps every 16-bit float tensor (norms, dense weights,
-/// quantization scales and biases) as an f32 copy (`backend/mlx/ops.rs`), twice its size on disk.
+/// quantization scales and biases) as an f32 copy (`backend/mlx/ops.rs`), twice its size on disk. The
+/// embedding table stays in the mapped file (rows are looked up on the host) unless it is also the head
+/// (tied: no `lm_head` tensor), which the backend uploads.
 fn resident_weight_bytes(ckpt: &Checkpoint, stacks: &[StackedExperts], backend: BackendKind) -> u64 {
     let stacked: std::collections::HashSet<&str> = stacks.iter().flat_map(|s| &s.tensors).map(String::as_str).collect();
+    let tied = !ckpt.names().any(|n| n.contains("lm_head."));
     (ckpt.names())
         .filter(|n| !stacked.contains(n))
-        .filter_map(|n| ckpt.get(n))
-        .map(|t| {
+        .filter_map(|n| Some((n, ckpt.get(n)?)))
+        .map(|(name, t)| {
             let bytes = t.bytes().len() as u64;
             let half = matches!(t.dtype, expert_store::Dtype::F16 | expert_store::Dtype::BF16);
-            if backend == BackendKind::Mlx && half {
+            let uploaded = tied || !name.contains("embed_tokens.");
+            if backend == BackendKind::Mlx && half && uploaded {
                 2 * bytes
             } else {
                 bytes

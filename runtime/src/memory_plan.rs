@@ -19,7 +19,7 @@
 //! - **room for experts** = limit − resident weights − KV − prefill activations − margin.
 //! - `--experts auto` keeps every expert resident when they fit in that room, else streams them.
 //! - A **draft model** and a **prefix cache** take their bytes off the room too (none exist yet), and so do
-//!   the full-vocabulary **logits** a command holds beside the pass (`eval`: a window's and its reference's).
+//!   the full-vocabulary **logits** a command holds beside the pass (`eval`: three windows' worth).
 //! - The streamed **expert cache** (slots under a hard budget) is `--expert-cache` when given, else the
 //!   whole room for experts (at least 256 MiB, at most the experts themselves). When the plan fits the
 //!   limit, the slots are backed with memory from the start; an overcommitted one stays lazy.

@@ -88,7 +88,8 @@ pub struct ExpertOptions {
     pub prefill_chunk: Option<usize>,
     /// Element type of the `cpu` backend's KV caches (the other backends keep f32).
     pub kv_cache: KvType,
-    /// Rows of full-vocabulary logits the caller holds at once (`eval`: a window's and its reference's), which
+    /// Rows of full-vocabulary logits held at once (`eval`: a window's reference, the head's output and its
+    /// copy), which
     /// the plan budgets beside the pass; 0 for generation, which keeps one row.
     pub logit_rows: usize,
 }

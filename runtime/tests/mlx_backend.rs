@@ -92,41 +92,59 @@ fn mlx_streamed_equals_resident_bit_for_bit() {
     }
 }
 
-/// The mlx KV cache grows in steps of 256 positions and writes into its buffer: a prompt that ends just before
-/// a step, decode across it, a chunk past the next, and a rewind to before the first step followed by new
-/// tokens all give the cpu backend's logits.
+/// The mlx KV cache grows in steps of 256 positions and writes into its buffer: a decode step across a step,
+/// a chunk up to the context's end, a rewind followed by new tokens within the buffer, and a rewind followed
+/// by a chunk that grows the buffer from the shorter length (keeping the rows before it) all give
+/// the cpu backend's logits.
 #[test]
 fn mlx_kv_cache_grows_and_rewinds_like_cpu() {
-    let dir = common::fixture("qwen3_moe-q4g64");
+    let dir = common::fixture("qwen3_moe-q4g64"); // a context of 512
     let (cpu, mlx) = (
         load(&dir, BackendKind::Cpu, ExpertMode::Mmap, None),
         load(&dir, BackendKind::Mlx, ExpertMode::Mmap, None),
     );
     let v = cpu.info.vocab_size as u32;
-    let tokens: Vec<u32> = (0..500u32).map(|i| (i * 7919 + 13) % v).collect();
+    let tokens: Vec<u32> = (0..512u32).map(|i| (i * 7919 + 13) % v).collect();
     let opts = ForwardOptions::default();
-    let (mut c, mut m) = (cpu.new_cache(), mlx.new_cache());
     let step = |what: &str, ids: &[u32], c: &mut _, m: &mut _| {
         let want = cpu.forward(ids, c, &opts).unwrap();
         let got = mlx.forward(ids, m, &opts).unwrap();
         assert_close(what, &got, &want);
     };
+    let (mut c, mut m) = (cpu.new_cache(), mlx.new_cache());
     step("prompt of 250", &tokens[..250], &mut c, &mut m);
-    let (cp_cpu, cp_mlx) = (c.checkpoint(), m.checkpoint());
+    let (at250_cpu, at250_mlx) = (c.checkpoint(), m.checkpoint());
     for (i, &t) in tokens[250..262].iter().enumerate() {
         step(&format!("decode at {}", 250 + i), &[t], &mut c, &mut m);
     }
-    step("chunk to 462", &tokens[262..462], &mut c, &mut m);
-    c.restore(&cp_cpu).unwrap();
-    m.restore(&cp_mlx).unwrap();
+    step("chunk to the context's end", &tokens[262..512], &mut c, &mut m);
+    c.restore(&at250_cpu).unwrap();
+    m.restore(&at250_mlx).unwrap();
     step("after rewinding to 250", &tokens[300..330], &mut c, &mut m);
     for &t in &tokens[330..340] {
         step("decode after the rewind", &[t], &mut c, &mut m);
     }
+
+    let (mut c, mut m) = (cpu.new_cache(), mlx.new_cache());
+    step("prompt of 100", &tokens[..100], &mut c, &mut m);
+    let (at100_cpu, at100_mlx) = (c.checkpoint(), m.checkpoint());
+    step("chunk to 250", &tokens[100..250], &mut c, &mut m);
+    c.restore(&at100_cpu).unwrap();
+    m.restore(&at100_mlx).unwrap();
+    step(
+        "a chunk past the buffer after a rewind",
+        &tokens[300..500],
+        &mut c,
+        &mut m,
+    );
+    for &t in &tokens[500..506] {
+        step("decode after it", &[t], &mut c, &mut m);
+    }
 }
 
 /// The mlx backend keeps 16-bit float weights as f32 copies: its plan counts them at twice the cpu backend's
-/// size (a bf16 model's non-expert weights exactly double; a 4-bit one's grow by its scales and biases).
+/// size, all but an untied embedding table, whose rows are looked up in the mapped file (a bf16 model's other
+/// non-expert weights exactly double; a 4-bit one's grow by their scales and biases).
 #[test]
 fn mlx_plans_its_f32_copies_of_half_precision_weights() {
     let resident = |name: &str, backend| {
@@ -139,7 +157,11 @@ fn mlx_plans_its_f32_copies_of_half_precision_weights() {
         resident("qwen3_moe-bf16", BackendKind::Cpu),
         resident("qwen3_moe-bf16", BackendKind::Mlx),
     );
-    assert_eq!(mlx, 2 * cpu);
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(common::fixture("qwen3_moe-bf16").join("config.json")).unwrap())
+            .unwrap();
+    let embedding = config["vocab_size"].as_u64().unwrap() * config["hidden_size"].as_u64().unwrap() * 2;
+    assert_eq!(mlx, 2 * cpu - embedding);
     let (cpu, mlx) = (
         resident("qwen3_moe-q4g64", BackendKind::Cpu),
         resident("qwen3_moe-q4g64", BackendKind::Mlx),

@@ -207,8 +207,10 @@ fn run(p: Pipeline, queue: &Queue, running: Arc<AtomicUsize>, m: Arc<Metrics>) {
             p.tokenize(&job.prompt)
                 .and_then(|ids| p.check_prompt(&ids, &job.params).map(|()| ids))
         };
+        let mut started = false;
         let result = without_panics(|| match tokenized() {
             Ok(ids) => {
+                started = true;
                 let _ = events.send(Event::Started {
                     prompt_tokens: ids.len(),
                 });
@@ -221,9 +223,12 @@ fn run(p: Pipeline, queue: &Queue, running: Arc<AtomicUsize>, m: Arc<Metrics>) {
             Err(e) => Err(e),
         });
         running.store(0, Ordering::SeqCst);
-        // Every request the engine took counts here, also one whose client left or that failed: counted where
-        // the reply is written, those would be missing from the tokens and, the slowest, from the latency.
-        m.e2e.observe(job.arrived.elapsed().as_secs_f64());
+        // Every generation the engine started counts here, also one whose client left or that failed: counted
+        // where the reply is written, those would be missing from the tokens and, the slowest, from the latency.
+        // A prompt refused before it started (a 400) is not a generation's latency.
+        if started {
+            m.e2e.observe(job.arrived.elapsed().as_secs_f64());
+        }
         if let Ok(stats) = &result {
             m.record_generation(stats);
             if stats.finish == sluice_runtime::FinishReason::Cancelled {

@@ -85,9 +85,9 @@ pub fn run(a: EvalArgs) -> Result<()> {
     let mut opts = a.engine.options()?;
     opts.context = Some(a.ctx);
     // Each window is one forward pass of `ctx` tokens: the plan budgets its activations, and the window's
-    // logits at every position with the reference's beside them.
+    // logits at every position three times over: the reference's, the head's output and its copy per sequence.
     opts.prefill_chunk = Some(a.ctx);
-    opts.logit_rows = 2 * a.ctx;
+    opts.logit_rows = 3 * a.ctx;
     let p = Pipeline::load_with(&a.model, &opts).with_context(|| format!("loading {}", a.model.display()))?;
     let m = &p.model;
     if a.engine.verbose {
