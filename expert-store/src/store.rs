@@ -421,23 +421,22 @@ pub fn convert(
         leftovers.push(DATA_FILE.to_string());
     }
     if out.exists() && !out.join(MANIFEST_FILE).exists() {
-        let non_empty = (std::fs::read_dir(out).map_err(io_err(out))?)
+        let foreign: Vec<std::ffi::OsString> = (std::fs::read_dir(out).map_err(io_err(out))?)
             .filter_map(|e| e.ok())
-            .any(|e| !leftovers.iter().any(|l| e.file_name() == l.as_str()));
-        if non_empty && out.join(DATA_FILE).exists() {
-            return Err(bad(
-                out,
+            .map(|e| e.file_name())
+            .filter(|name| !leftovers.iter().any(|l| name == l.as_str()))
+            .collect();
+        if !foreign.is_empty() {
+            // Only a data file left by an interrupted convert stands in the way: --force takes it.
+            let message = if foreign.iter().all(|name| name == DATA_FILE) {
                 format!(
-                    "holds {DATA_FILE} without its manifest (an interrupted convert?); pass --force to replace it, \
-                     or choose a new directory"
-                ),
-            ));
-        }
-        if non_empty {
-            return Err(bad(
-                out,
-                "exists and is not empty (and not a store); choose a new directory",
-            ));
+                    "holds {DATA_FILE} without its manifest (an interrupted convert?); pass --force to replace \
+                     it, or choose a new directory"
+                )
+            } else {
+                "exists and is not empty (and not a store); choose a new directory".to_string()
+            };
+            return Err(bad(out, message));
         }
     }
     std::fs::create_dir_all(out).map_err(io_err(out))?;

@@ -6,7 +6,8 @@
 //! The rule:
 //! - **limit** = available memory now; with the mlx backend on macOS, at most Metal's working-set limit
 //!   (weights, slots and KV are GPU buffers there).
-//! - **margin** = max(1 GiB, total / 32): the tokenizer, a token block's matmul scratch, allocator slack.
+//! - **margin** = max(1 GiB, total / 32), at most total / 4: the tokenizer, a token block's matmul scratch,
+//!   allocator slack (the cap is for small containers, where 1 GiB would be all of it).
 //! - **KV per sequence** = (K and V of every full-attention layer + recurrent state) for the context limit
 //!   when one is given (`--ctx-size`), else for min(model context, 32768) tokens.
 //! - **prefill activations** = prompt tokens per prefill pass × the model's activation bytes per token
@@ -203,7 +204,7 @@ impl MemoryPlan {
             (true, Some(gpu)) => machine.available.min(gpu),
             _ => machine.available,
         };
-        let margin = (machine.total / 32).max(1 << 30);
+        let margin = (machine.total / 32).max(1 << 30).min(machine.total / 4);
         // A context asked for beyond the model's own is the model's: budgeting KV no sequence can use would
         // only take the experts' room.
         let own = model.context_length.max(1);
@@ -539,9 +540,10 @@ mod tests {
 
     #[test]
     fn the_default_cache_stays_between_256_mib_and_the_experts() {
+        // No room at all: a quarter of 1 GiB available, which the margin (at most a quarter) takes.
         let tiny = MachineMemory {
             total: GIB,
-            available: GIB,
+            available: GIB / 4,
             gpu_working_set: None,
             cgroup_limit: None,
             measured: true,
@@ -553,6 +555,8 @@ mod tests {
         };
         let p = MemoryPlan::new(tiny, model, &PlanRequest::default());
         assert_eq!((p.placement, p.expert_cache), (ExpertPlacement::Stream, 256 << 20));
+        // A 1 GiB container keeps a quarter as margin, not all of it.
+        assert_eq!(p.margin, GIB / 4);
         let few = ModelFootprint {
             expert_bytes: 1000,
             ..model

@@ -72,7 +72,6 @@ fn gauge(name: &str, help: &str) -> IntGauge {
     IntGauge::new(name, help).expect("valid gauge")
 }
 
-/// Latency buckets from 10 ms to 5 min.
 /// Latency buckets from 1 ms (a small model's tokens at several hundred a second) to 5 minutes.
 fn seconds() -> Vec<f64> {
     vec![
