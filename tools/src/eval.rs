@@ -80,6 +80,9 @@ struct Report {
 
 /// Runs `sluice eval`.
 pub fn run(a: EvalArgs) -> Result<()> {
+    if a.windows == Some(0) {
+        bail!("--windows must be at least 1 (leave it out to evaluate every full window of the text)");
+    }
     let _pool = crate::compute_pool(a.threads)?;
     let text = std::fs::read_to_string(&a.text).with_context(|| format!("reading {}", a.text.display()))?;
     let mut opts = a.engine.options()?;

@@ -219,6 +219,15 @@ fn print_header(backend: BackendKind, root: &Path, n: usize) {
     );
     println!("- backend: {}", format!("{backend:?}").to_lowercase());
     println!("- fixtures: {} ({n})", root.display());
+    // The bench takes the engine flags' environment variables as `sluice bench` does: a report says so.
+    let mut set: Vec<String> = (std::env::vars())
+        .filter(|(k, _)| k.starts_with("SLUICE_"))
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    set.sort();
+    if !set.is_empty() {
+        println!("- environment (the bench honours it): {}", set.join(" "));
+    }
 }
 
 /// The golden checks with experts resident, then streamed through a cache of one layer's worth of slots.

@@ -99,6 +99,8 @@ fn eval_rejects_bad_input_cleanly() {
     std::fs::write(short.path(), "Too short.").unwrap();
     let err = fails(&["eval", "--model", m, "--text", short.path().to_str().unwrap()]);
     assert!(err.contains("fewer than one window"), "{err}");
+    let err = fails(&["eval", "--model", m, "--text", t, "--windows", "0"]);
+    assert!(err.contains("--windows must be at least 1"), "{err}");
     let err = fails(&["eval", "--model", m, "--text", "/nonexistent/text.txt"]);
     assert!(err.contains("/nonexistent/text.txt"), "{err}");
     // A window shorter than the decode measurement's prompt still measures decode (it failed the whole run).

@@ -133,3 +133,22 @@ fn a_tampered_golden_fails_naming_the_fixture() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("no fixtures"));
 }
+
+/// The report names the `SLUICE_*` variables in effect: its bench honours them as `sluice bench` does.
+#[test]
+fn the_report_names_the_environment_it_ran_in() {
+    let root = tempfile::tempdir().unwrap();
+    copy_fixture("qwen3_moe-q8g32", root.path());
+    let root_arg = root.path().to_string_lossy().into_owned();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["selftest", "--fixtures", &root_arg, "--bench-size", "0"])
+        .env("SLUICE_IO_DEPTH", "3")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(
+        stdout.contains("- environment (the bench honours it): ") && stdout.contains("SLUICE_IO_DEPTH=3"),
+        "{stdout}"
+    );
+}
