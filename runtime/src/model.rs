@@ -374,12 +374,12 @@ impl<B: Backend> Runner for Model<B> {
                 .downcast_mut::<Sequence<B>>()
                 .filter(|s| s.model_id == self.id)
                 .ok_or_else(|| ModelError::InvalidArgument("this cache was made by another model".into()))?;
-            let k = self.check(r.tokens, seq.len, &r.opts)?;
+            let k = self.check(r.tokens, seq.positions(), &r.opts)?;
             let start = ids.len();
             ids.extend_from_slice(r.tokens);
             spans.push(SeqSpan {
                 rows: start..ids.len(),
-                pos0: seq.len,
+                pos0: seq.positions(),
             });
             ks.extend(std::iter::repeat_n(k, r.tokens.len()));
             all.push(r.opts.all_logits);
@@ -393,7 +393,7 @@ impl<B: Backend> Runner for Model<B> {
         }
         let x = self.be.upload(x0, h)?;
         self.profile.add(Part::Head, embed_start.elapsed());
-        let lens: Vec<usize> = seqs.iter().map(|s| s.len).collect();
+        let lens: Vec<usize> = seqs.iter().map(|s| s.positions()).collect();
         let compute = || {
             self.layers_forward(x, &spans, &ks, &mut seqs).and_then(|(x, lasts)| {
                 let head_start = Instant::now();
@@ -445,7 +445,6 @@ impl<B: Backend> Runner for Model<B> {
         KvCache::new(Sequence::<B> {
             model_id: self.id,
             layers,
-            len: 0,
             last_experts: vec![Vec::new(); self.layers.len()],
             prefixes: vec![0],
         })

@@ -31,12 +31,11 @@ pub(crate) struct Sequence<B: Backend> {
     /// Which model made it (a sequence is refused by another model).
     pub model_id: u64,
     pub layers: Vec<LayerState<B>>,
-    /// Positions processed.
-    pub len: usize,
     /// Per layer, the experts the last token was routed to (the prev-token prefetch prediction).
     pub last_experts: Vec<Vec<usize>>,
-    /// `prefixes[i]` fingerprints the first `i` tokens (`prefixes[0]` the empty sequence): a checkpoint
-    /// restores only onto the tokens it was taken after, not onto a branch that rewrote them since.
+    /// `prefixes[i]` fingerprints the first `i` tokens (`prefixes[0]` the empty sequence), one per position
+    /// processed and the empty one: a checkpoint restores only onto the tokens it was taken after, not onto a
+    /// branch that rewrote them since.
     pub prefixes: Vec<u64>,
 }
 
@@ -53,7 +52,6 @@ impl<B: Backend> Clone for Sequence<B> {
         Self {
             model_id: self.model_id,
             layers: self.layers.clone(),
-            len: self.len,
             last_experts: self.last_experts.clone(),
             prefixes: self.prefixes.clone(),
         }
@@ -82,7 +80,11 @@ impl<B: Backend> Sequence<B> {
             let last = self.prefixes.last().copied().unwrap_or(0);
             self.prefixes.push(extend_prefix(last, t));
         }
-        self.len += tokens.len();
+    }
+
+    /// Positions processed.
+    pub fn positions(&self) -> usize {
+        self.prefixes.len().saturating_sub(1)
     }
 
     /// The fingerprint of the first `len` tokens (0 for none, or past the end).
@@ -121,7 +123,7 @@ enum LayerSnapshot<B: Backend> {
 
 impl<B: Backend> SequenceState for Sequence<B> {
     fn len(&self) -> usize {
-        self.len
+        self.positions()
     }
 
     fn model_id(&self) -> u64 {
@@ -130,8 +132,8 @@ impl<B: Backend> SequenceState for Sequence<B> {
 
     fn checkpoint(&self) -> Box<dyn Any + Send> {
         Box::new(Snapshot::<B> {
-            len: self.len,
-            prefix: self.prefix(self.len),
+            len: self.positions(),
+            prefix: self.prefix(self.positions()),
             layers: self
                 .layers
                 .iter()
@@ -148,14 +150,14 @@ impl<B: Backend> SequenceState for Sequence<B> {
         let refuse = |why: &str| {
             Err(ModelError::InvalidArgument(format!(
                 "this checkpoint does not belong to this cache ({why}; the cache is at position {}, {} layers)",
-                self.len,
+                self.positions(),
                 self.layers.len()
             )))
         };
         let Some(cp) = cp.downcast_ref::<Snapshot<B>>() else {
             return refuse("it comes from another backend");
         };
-        if cp.layers.len() != self.layers.len() || cp.len > self.len {
+        if cp.layers.len() != self.layers.len() || cp.len > self.positions() {
             return refuse(&format!("it is at position {}", cp.len));
         }
         let fits = self.layers.iter().zip(&cp.layers).all(|(l, s)| match (l, s) {
@@ -181,19 +183,18 @@ impl<B: Backend> SequenceState for Sequence<B> {
             }
         }
         self.last_experts.clone_from(&cp.last_experts);
-        self.len = cp.len;
         self.prefixes.truncate(cp.len + 1);
         Ok(())
     }
 
     fn truncate(&mut self, len: usize) -> Result<()> {
-        if len > self.len {
+        if len > self.positions() {
             return Err(ModelError::InvalidArgument(format!(
                 "cannot truncate a sequence of {} positions to {len}",
-                self.len
+                self.positions()
             )));
         }
-        if len < self.len && self.layers.iter().any(|l| matches!(l, LayerState::Recurrent(_))) {
+        if len < self.positions() && self.layers.iter().any(|l| matches!(l, LayerState::Recurrent(_))) {
             return Err(ModelError::InvalidArgument(
                 "a recurrent (Gated DeltaNet) state cannot be truncated; restore a checkpoint instead".into(),
             ));
@@ -203,7 +204,6 @@ impl<B: Backend> SequenceState for Sequence<B> {
                 k.truncate(len);
             }
         }
-        self.len = len;
         self.prefixes.truncate(len + 1);
         Ok(())
     }
