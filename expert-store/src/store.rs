@@ -398,12 +398,12 @@ pub struct ConvertOptions<'a> {
     pub rewrite: Option<(&'a dyn crate::RecordTransform, &'a str)>,
 }
 
-/// Writes a packed store of `stacks` from `ckpt` into `out`, then re-reads and verifies every record.
 /// Puts directory `dir`'s entries (renames, removals) on disk.
 fn sync_dir(dir: &Path) -> Result<(), StoreError> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(io_err(dir))
 }
 
+/// Writes a packed store of `stacks` from `ckpt` into `out`, then re-reads and verifies every record.
 /// Memory stays bounded by one record; the data goes to a temporary file renamed into place at the end.
 pub fn convert(
     ckpt: &Checkpoint,

@@ -9,7 +9,7 @@ use expert_store::{
 };
 
 use crate::error::{ModelError, Result};
-use crate::memory_plan::{ExpertPlacement, MachineMemory, MemoryPlan, ModelFootprint, PlanRequest};
+use crate::memory_plan::{gib, ExpertPlacement, MachineMemory, MemoryPlan, ModelFootprint, PlanRequest};
 use crate::options::{BackendKind, ExpertMode, ExpertOptions, IoMode};
 
 /// An expert source with the memory plan that sized it.
@@ -31,14 +31,7 @@ pub(crate) fn open_source(
     mut footprint: ModelFootprint,
     rewrite: Option<Arc<dyn RecordTransform>>,
 ) -> Result<OpenedSource> {
-    let stacked: u64 = stacks
-        .iter()
-        .flat_map(|s| &s.tensors)
-        .filter_map(|n| ckpt.get(n))
-        .map(|t| t.bytes().len() as u64)
-        .sum();
-    footprint.resident_weights = resident_weight_bytes(ckpt, stacks, opts.backend);
-    footprint.expert_bytes = stacked;
+    (footprint.resident_weights, footprint.expert_bytes) = weight_bytes(ckpt, stacks, opts.backend);
     #[cfg_attr(not(feature = "mlx"), allow(unused_mut))]
     let mut machine = MachineMemory::probe();
     #[cfg(feature = "mlx")]
@@ -135,28 +128,30 @@ pub(crate) fn open_source(
     })
 }
 
-/// What the weights outside the expert stacks take once loaded: as stored (the cpu backend computes from the
-/// mapped file), except that the mlx backend keeps every 16-bit float tensor (norms, dense weights,
-/// quantization scales and biases) as an f32 copy (`backend/mlx/ops.rs`), twice its size on disk. The
-/// embedding table stays in the mapped file (rows are looked up on the host) unless it is also the head
-/// (tied: no `lm_head` tensor), which the backend uploads.
-fn resident_weight_bytes(ckpt: &Checkpoint, stacks: &[StackedExperts], backend: BackendKind) -> u64 {
+/// The bytes of the weights outside the expert stacks once loaded, and those of the stacks as stored. The
+/// former are as stored (the cpu backend computes from the mapped file), except that the mlx backend keeps
+/// every 16-bit float tensor (norms, dense weights, quantization scales and biases) as an f32 copy
+/// (`backend/mlx/ops.rs`), twice its size on disk. The embedding table stays in the mapped file (rows are
+/// looked up on the host) unless it is also the head (tied: no `lm_head` tensor), which the backend uploads.
+fn weight_bytes(ckpt: &Checkpoint, stacks: &[StackedExperts], backend: BackendKind) -> (u64, u64) {
     let stacked: std::collections::HashSet<&str> = stacks.iter().flat_map(|s| &s.tensors).map(String::as_str).collect();
     let tied = !ckpt.names().any(|n| n.contains("lm_head."));
-    (ckpt.names())
-        .filter(|n| !stacked.contains(n))
-        .filter_map(|n| Some((n, ckpt.get(n)?)))
-        .map(|(name, t)| {
-            let bytes = t.bytes().len() as u64;
-            let half = matches!(t.dtype, expert_store::Dtype::F16 | expert_store::Dtype::BF16);
-            let uploaded = tied || !name.contains("embed_tokens.");
-            if backend == BackendKind::Mlx && half && uploaded {
-                2 * bytes
-            } else {
-                bytes
-            }
-        })
-        .sum()
+    let (mut resident, mut experts) = (0u64, 0u64);
+    for (name, t) in ckpt.names().filter_map(|n| Some((n, ckpt.get(n)?))) {
+        let bytes = t.bytes().len() as u64;
+        if stacked.contains(name) {
+            experts += bytes;
+            continue;
+        }
+        let half = matches!(t.dtype, expert_store::Dtype::F16 | expert_store::Dtype::BF16);
+        let uploaded = tied || !name.contains("embed_tokens.");
+        resident += if backend == BackendKind::Mlx && half && uploaded {
+            2 * bytes
+        } else {
+            bytes
+        };
+    }
+    (resident, experts)
 }
 
 /// Says so (without `-v`) when the plan's budgets overrun its limit: an explicit `--experts resident`,
@@ -164,10 +159,10 @@ fn resident_weight_bytes(ckpt: &Checkpoint, stacks: &[StackedExperts], backend: 
 fn warn_unless_fits(plan: &MemoryPlan) {
     if !plan.fits() {
         tracing::warn!(
-            "the memory plan needs {:.2} GiB but {:.2} GiB is available: expect paging or an out-of-memory kill \
-             (a smaller --expert-cache or --ctx-size, or --experts stream, fits; -v prints the plan)",
-            plan.total() as f64 / (1u64 << 30) as f64,
-            plan.limit as f64 / (1u64 << 30) as f64
+            "the memory plan needs {} but {} is available: expect paging or an out-of-memory kill (a smaller \
+             --expert-cache or --ctx-size, or --experts stream, fits; -v prints the plan)",
+            gib(plan.total()),
+            gib(plan.limit)
         );
     }
 }

@@ -307,7 +307,8 @@ impl MemoryPlan {
     }
 }
 
-fn gib(b: u64) -> String {
+/// `b` bytes as GiB with two decimals, as the plan prints budgets.
+pub(crate) fn gib(b: u64) -> String {
     format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
 }
 
@@ -463,7 +464,7 @@ mod tests {
             context_length: 40960,
             activation_bytes_per_token: 200_000,
         };
-        // `eval`'s logits (a window's and its reference's) take their bytes off the room, and count.
+        // Logits a command holds beside the pass (`eval`'s) take their bytes off the room, and count.
         let plain = MemoryPlan::new(machine, small, &PlanRequest::default());
         let eval = MemoryPlan::new(
             machine,

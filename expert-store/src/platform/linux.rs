@@ -73,7 +73,7 @@ pub(super) fn cgroup_dir_memory(cg: &super::CgroupDir) -> Option<super::CgroupMe
     // the mount may hide), taken against the process's own usage.
     let own_stat = read(&cg.dir, "memory.stat").unwrap_or_default();
     let hierarchical = cgroup_stat(&own_stat, "hierarchical_memory_limit")
-        .and_then(|n| cgroup_limit(&n.to_string()))
+        .and_then(super::limit_set)
         .map(|limit| CgroupMemory {
             limit,
             used: used(&cg.dir, &own_stat),

@@ -192,8 +192,12 @@ fn unescape_mount_path(field: &str) -> String {
 /// A cgroup memory limit file's value (`memory.max`, `memory.limit_in_bytes`); `None` when it sets no limit
 /// (`max`, or v1's page-rounded `i64::MAX`).
 pub fn cgroup_limit(text: &str) -> Option<u64> {
-    let n: u64 = text.trim().parse().ok()?;
-    (n < 1 << 60).then_some(n)
+    limit_set(text.trim().parse().ok()?)
+}
+
+/// A cgroup limit's bytes, `None` for v1's "no limit" (`i64::MAX` rounded to pages).
+fn limit_set(bytes: u64) -> Option<u64> {
+    (bytes < 1 << 60).then_some(bytes)
 }
 
 /// A `key value` line of a cgroup's `memory.stat`.

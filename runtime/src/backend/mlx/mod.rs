@@ -357,8 +357,8 @@ impl Backend for MlxBackend {
             }
             let u = mlx_rs::nn::silu(conv).map_err(e)?;
             let hist = window.index((ni.., ..));
-            // q = l2norm(q)/√Dk, k = l2norm(k) (HF's x/√(Σx² + 1e-6): an RMSNorm with eps 1e-6/Dk, scaled), heads repeated to the
-            // v-heads.
+            // q = l2norm(q)/√Dk, k = l2norm(k) (HF's x/√(Σx² + 1e-6): an RMSNorm with eps 1e-6/Dk, scaled),
+            // heads repeated to the v-heads.
             let inv = 1.0 / (dk as f32).sqrt();
             let norm = |x: Array, scale: f32| -> Result<Array> {
                 let x = x.reshape(&[ni, hk, dk]).map_err(e)?;
