@@ -3,6 +3,8 @@
 use std::sync::{Arc, Mutex};
 
 use expert_store::{CounterSnapshot, StoreCounters, LATENCY_BOUNDS};
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::{self, Bucket, Metric, MetricFamily, MetricType};
 use prometheus::{
     Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
 };
@@ -55,7 +57,6 @@ struct StoreMetrics {
     io_wait: prometheus::Counter,
     read_cpu: prometheus::Counter,
     prefault_cpu: prometheus::Counter,
-    read_latency: Histogram,
     depth: Gauge,
     slots_backed: IntGauge,
 }
@@ -203,11 +204,6 @@ impl Metrics {
                     "CPU time spent backing expert cache slots with memory ahead of their first read",
                 )
                 .expect("valid counter"),
-                read_latency: hist(
-                    "sluice_expert_read_latency_seconds",
-                    "Latency of one expert record read",
-                    LATENCY_BOUNDS.to_vec(),
-                ),
                 depth: Gauge::new(
                     "sluice_expert_read_queue_depth",
                     "Expert reads in flight on average while any was, since the previous scrape",
@@ -258,7 +254,7 @@ impl Metrics {
                 Box::new(s.io_wait.clone()),
                 Box::new(s.read_cpu.clone()),
                 Box::new(s.prefault_cpu.clone()),
-                Box::new(s.read_latency.clone()),
+                Box::new(ReadLatency::new(s.source.clone())),
                 Box::new(s.depth.clone()),
                 Box::new(s.slots_backed.clone()),
             ];
@@ -317,17 +313,63 @@ impl StoreMetrics {
         self.io_wait.inc_by(d.io_wait_seconds.max(0.0));
         self.read_cpu.inc_by(d.read_cpu_seconds.max(0.0));
         self.prefault_cpu.inc_by(d.prefault_cpu_seconds.max(0.0));
-        // Replays each new read into the histogram at its bucket's upper bound (the store keeps only counts).
-        for (i, &n) in d.read_latency.counts.iter().enumerate() {
-            let v = LATENCY_BOUNDS.get(i).copied().unwrap_or(1.0);
-            for _ in 0..n {
-                self.read_latency.observe(v);
-            }
-        }
         // Over the interval: the average since start would hardly move after a few hours of serving.
         self.depth.set(d.effective_queue_depth());
         self.slots_backed.set(i64::from(self.backed()));
         *last = now;
+    }
+}
+
+/// The store's read-latency histogram exported as it stands: its own buckets and the true sum of the
+/// latencies, so `_sum / _count` is the mean read time.
+struct ReadLatency {
+    desc: Desc,
+    source: Arc<StoreCounters>,
+}
+
+impl ReadLatency {
+    fn new(source: Arc<StoreCounters>) -> Self {
+        let desc = Desc::new(
+            "sluice_expert_read_latency_seconds".into(),
+            "Latency of one expert record read".into(),
+            Vec::new(),
+            Default::default(),
+        )
+        .expect("valid histogram");
+        ReadLatency { desc, source }
+    }
+}
+
+impl Collector for ReadLatency {
+    fn desc(&self) -> Vec<&Desc> {
+        vec![&self.desc]
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let snap = self.source.snapshot().read_latency;
+        let mut cumulative = 0;
+        let buckets = (LATENCY_BOUNDS.iter().zip(&snap.counts))
+            .map(|(&bound, &n)| {
+                cumulative += n;
+                let mut b = Bucket::default();
+                b.set_upper_bound(bound);
+                b.set_cumulative_count(cumulative);
+                b
+            })
+            .collect();
+        let mut h = proto::Histogram::default();
+        h.set_bucket(buckets);
+        // The count includes the overflow bucket, which the encoder writes as `le="+Inf"`.
+        h.set_sample_count(snap.count());
+        h.set_sample_sum(snap.sum_seconds);
+        let mut m = Metric::default();
+        m.set_histogram(h);
+        let mut f = MetricFamily::default();
+        f.set_name(self.desc.fq_name.clone());
+        f.set_help(self.desc.help.clone());
+        f.set_field_type(MetricType::HISTOGRAM);
+        f.set_metric(vec![m]);
+        vec![f]
     }
 }
 
@@ -381,6 +423,29 @@ mod tests {
             counters.hits.load(Ordering::Relaxed) as f64
         );
         assert_eq!(value(&page, "sluice_expert_read_latency_seconds_count"), reads as f64);
+    }
+
+    #[test]
+    fn read_latency_is_exported_with_its_true_sum() {
+        let counters = Arc::new(StoreCounters::default());
+        let metrics = Metrics::new(4, Some(counters.clone()), 0);
+        // One read in the first bucket, one in the third, one past the last bound.
+        for us in [30, 150, 1_000_000] {
+            counters.read_latency.observe(Duration::from_micros(us));
+        }
+        let page = metrics.render(0, 0);
+        let name = "sluice_expert_read_latency_seconds";
+        assert_eq!(value(&page, &format!("{name}_count")), 3.0);
+        // Replayed at bucket bounds, the sum was 0.00005 + 0.0002 + 1.0.
+        let sum = value(&page, &format!("{name}_sum"));
+        assert!((sum - 1.000180).abs() < 1e-9, "{sum}");
+        let bucket = |le: &str| value(&page, &format!("{name}_bucket{{le=\"{le}\"}}"));
+        assert_eq!(bucket("0.00005"), 1.0);
+        assert_eq!(bucket("0.0001"), 1.0);
+        assert_eq!(bucket("0.0002"), 2.0);
+        assert_eq!(bucket("0.4096"), 2.0);
+        assert_eq!(bucket("+Inf"), 3.0);
+        assert_eq!(page.matches(&format!("# TYPE {name} histogram")).count(), 1);
     }
 
     #[test]
