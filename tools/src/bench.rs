@@ -333,26 +333,21 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
             a.gen_tokens
         ),
     }
+    // A warm run is fed the stream's second run of tokens, after a cold run or a warm-up on the first.
+    let fed = (a.prompt_tokens + a.gen_tokens) * if warm { 2 } else { 1 };
     let stream = match &a.text {
         Some(f) => {
             let text = std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
             let ids = p.tokenize(&sluice_runtime::Prompt::Raw(text))?;
-            if ids.len() < 2 * (a.prompt_tokens + a.gen_tokens) {
-                bail!(
-                    "{} has {} tokens; bench needs {}",
-                    f.display(),
-                    ids.len(),
-                    2 * (a.prompt_tokens + a.gen_tokens)
-                );
+            if ids.len() < fed {
+                bail!("{} has {} tokens; bench needs {fed}", f.display(), ids.len());
             }
             ids
         }
         None => {
             let mut rng = rand::rngs::StdRng::seed_from_u64(a.seed);
             let vocab = m.info.vocab_size as u32;
-            (0..2 * (a.prompt_tokens + a.gen_tokens))
-                .map(|_| rng.gen_range(0..vocab))
-                .collect()
+            (0..fed).map(|_| rng.gen_range(0..vocab)).collect()
         }
     };
     let (record_bytes, moe_layers) = (m.info.expert_record_bytes, m.info.moe_layers);

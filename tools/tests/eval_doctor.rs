@@ -307,3 +307,49 @@ fn doctor_sizes_plans_and_forecasts_from_a_config() {
     ]);
     assert!(err.contains("exceed the context limit"), "{err}");
 }
+
+/// `bench --text` asks for as many tokens as its runs are fed: one run's for `cold`, two for a warm run (a
+/// warm-up or the cold run before it, then the measured run).
+#[test]
+fn bench_on_a_text_needs_the_tokens_its_runs_use() {
+    let model = fixture("brown-qwen3_moe-q4g64");
+    // A short text, so that two runs of it fit the fixture's context.
+    let full = std::fs::read_to_string(fixture("brown-heldout.txt")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let text = dir.path().join("short.txt");
+    std::fs::write(&text, full.chars().take(400).collect::<String>()).unwrap();
+    let (m, t) = (model.to_str().unwrap(), text.to_str().unwrap());
+    let args = |p: usize, runs: &'static str| -> Vec<String> {
+        let p = p.to_string();
+        [
+            "bench",
+            "-m",
+            m,
+            "--text",
+            t,
+            "-p",
+            &p,
+            "-n",
+            "1",
+            "--runs",
+            runs,
+            "--probe-seconds",
+            "0",
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    fn borrow(v: &[String]) -> Vec<&str> {
+        v.iter().map(String::as_str).collect()
+    }
+    // The text's own length, from the refusal of a bench far longer than it.
+    let err = fails(&borrow(&args(200, "cold")));
+    let have: usize = (err.split(" has ").nth(1))
+        .and_then(|r| r.split(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("the text's token count in: {err}"));
+    // One token less than the text is a whole cold run; a warm run of that length needs twice as many.
+    let p = have - 2;
+    ok(&borrow(&args(p, "cold")));
+    let err = fails(&borrow(&args(p, "both")));
+    assert!(err.contains(&format!("bench needs {}", 2 * (p + 1))), "{err}");
+}
