@@ -60,15 +60,15 @@ impl MachineMemory {
     /// Asks the OS (see [`expert_store::platform`]).
     pub fn probe() -> Self {
         use expert_store::platform;
-        match (platform::total_memory(), platform::available_memory()) {
-            (Some(total), Some(available)) => Self {
-                total,
-                available: available.min(total),
+        match platform::memory_now() {
+            Some(m) => Self {
+                total: m.total,
+                available: m.available,
                 gpu_working_set: platform::gpu_working_set_limit(),
-                cgroup_limit: platform::memory_cgroup().map(|cg| cg.limit),
+                cgroup_limit: m.cgroup.map(|cg| cg.limit),
                 measured: true,
             },
-            _ => Self {
+            None => Self {
                 total: FALLBACK_MEMORY,
                 available: FALLBACK_MEMORY,
                 gpu_working_set: None,

@@ -28,13 +28,11 @@ pub(super) fn os_release() -> Option<String> {
 }
 
 pub(super) fn total_memory() -> Option<u64> {
-    let total = meminfo("MemTotal")?;
-    Some(cgroup_memory().map_or(total, |cg| total.min(cg.limit)))
+    meminfo("MemTotal")
 }
 
 pub(super) fn available_memory() -> Option<u64> {
-    let available = meminfo("MemAvailable")?;
-    Some(cgroup_memory().map_or(available, |cg| available.min(cg.available())))
+    meminfo("MemAvailable")
 }
 
 /// The tightest memory cgroup limit on this process (a container's `--memory`, a systemd `MemoryMax`), and

@@ -280,15 +280,37 @@ pub fn huge_pages() -> Option<HugePages> {
     os::huge_pages()
 }
 
-/// Physical memory in bytes.
+/// The machine's memory as this process may use it, from one look at each source.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryNow {
+    /// Physical memory, or the memory cgroup's limit where that is less.
+    pub total: u64,
+    /// What the OS can give this process now without paging out, within the cgroup's room.
+    pub available: u64,
+    /// The memory cgroup that bounds both, if any.
+    pub cgroup: Option<CgroupMemory>,
+}
+
+/// Physical and available memory, each capped by the memory cgroup (read once for both).
+pub fn memory_now() -> Option<MemoryNow> {
+    let (total, available) = (os::total_memory()?, os::available_memory()?);
+    let cgroup = os::cgroup_memory();
+    Some(MemoryNow {
+        total: cgroup.map_or(total, |cg| total.min(cg.limit)),
+        available: cgroup.map_or(available, |cg| available.min(cg.available())).min(total),
+        cgroup,
+    })
+}
+
+/// Physical memory in bytes, or the memory cgroup's limit where that is less.
 pub fn total_memory() -> Option<u64> {
-    os::total_memory()
+    memory_now().map(|m| m.total)
 }
 
 /// Memory the OS can give this process now without paging out (Linux `MemAvailable`; macOS free,
-/// speculative, inactive and purgeable pages).
+/// speculative, inactive and purgeable pages), within the memory cgroup's room.
 pub fn available_memory() -> Option<u64> {
-    os::available_memory()
+    memory_now().map(|m| m.available)
 }
 
 /// The tightest memory cgroup limit on this process and what is charged against it (Linux: a container's
