@@ -209,10 +209,6 @@ fn probe_disk(dir: &Path, size: u64, record: u64, depth: usize, time: Duration) 
     )
 }
 
-fn gib(b: u64) -> String {
-    format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)
-}
-
 fn print_report(r: &Report, plan: &MemoryPlan) {
     let s = &r.size;
     println!(
@@ -232,8 +228,8 @@ fn print_report(r: &Report, plan: &MemoryPlan) {
     );
     println!(
         "weights: {} resident + {} of experts ({:.1} MiB per expert record); KV {:.1} MiB per 1k tokens",
-        gib(s.resident_bytes),
-        gib(s.expert_bytes),
+        crate::gib(s.resident_bytes),
+        crate::gib(s.expert_bytes),
         s.record_bytes as f64 / (1u64 << 20) as f64,
         r.kv_bytes_per_1k_tokens as f64 / (1u64 << 20) as f64
     );
@@ -287,7 +283,7 @@ fn print_report(r: &Report, plan: &MemoryPlan) {
             if r.page_cache_for_experts > 0 {
                 format!(
                     ", plus ~{} of page cache for expert records",
-                    gib(r.page_cache_for_experts)
+                    crate::gib(r.page_cache_for_experts)
                 )
             } else {
                 String::new()

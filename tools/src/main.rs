@@ -155,6 +155,11 @@ pub(crate) fn parse_probe_seconds(s: &str) -> std::result::Result<f64, String> {
 }
 
 /// A `--ctx-size` value: a whole number of tokens, at least 1.
+/// `b` bytes as GiB with one decimal, as the reports print sizes.
+pub(crate) fn gib(b: u64) -> String {
+    format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
 fn parse_ctx_size(s: &str) -> std::result::Result<usize, String> {
     match s.trim().parse::<usize>() {
         Ok(0) => Err("must be at least 1 token".into()),

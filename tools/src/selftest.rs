@@ -183,10 +183,6 @@ fn find_fixtures(explicit: Option<&Path>) -> Result<PathBuf> {
     )
 }
 
-fn gib(b: u64) -> String {
-    format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)
-}
-
 fn print_header(backend: BackendKind, root: &Path, n: usize) {
     use expert_store::platform;
     println!("## sluice selftest");
@@ -212,10 +208,10 @@ fn print_header(backend: BackendKind, root: &Path, n: usize) {
     let m = sluice_runtime::memory_plan::MachineMemory::probe();
     println!(
         "- memory: {} total, {} available{}",
-        gib(m.total),
-        gib(m.available),
+        crate::gib(m.total),
+        crate::gib(m.available),
         m.gpu_working_set
-            .map_or(String::new(), |g| format!(", GPU working set {}", gib(g)))
+            .map_or(String::new(), |g| format!(", GPU working set {}", crate::gib(g)))
     );
     println!("- backend: {}", format!("{backend:?}").to_lowercase());
     println!("- fixtures: {} ({n})", root.display());
