@@ -40,7 +40,7 @@ use crate::options::{BackendKind, ExpertMode, ExpertOptions, IoMode};
 /// The machine's memory, as the platform module reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MachineMemory {
-    /// Physical memory.
+    /// Physical memory, or the memory cgroup's limit where that is less.
     pub total: u64,
     /// Memory the OS can hand out now without paging.
     pub available: u64,

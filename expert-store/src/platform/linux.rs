@@ -49,16 +49,23 @@ pub(super) fn cgroup_memory() -> Option<super::CgroupMemory> {
 pub(super) fn cgroup_dir_memory(cg: &super::CgroupDir) -> Option<super::CgroupMemory> {
     use super::{cgroup_limit, cgroup_stat, CgroupMemory, CgroupVersion};
     let read = |dir: &Path, name: &str| std::fs::read_to_string(dir.join(name)).ok();
-    let (limit_file, usage_file, file_keys) = match cg.version {
+    // v2's `memory.high` binds too: past it the kernel throttles the cgroup and reclaims hard (a systemd
+    // `MemoryHigh`, Kubernetes' memory QoS), which a streaming server must stay under as under `memory.max`.
+    let (limit_files, usage_file, file_keys): (&[&str], _, _) = match cg.version {
         CgroupVersion::V1 => (
-            "memory.limit_in_bytes",
+            &["memory.limit_in_bytes"],
             "memory.usage_in_bytes",
             ["total_inactive_file", "total_active_file"],
         ),
-        CgroupVersion::V2 => ("memory.max", "memory.current", ["inactive_file", "active_file"]),
+        CgroupVersion::V2 => (
+            &["memory.max", "memory.high"],
+            "memory.current",
+            ["inactive_file", "active_file"],
+        ),
     };
     // What a directory holds against its limit: its whole subtree's charge (siblings included, for a parent)
-    // less the file pages reclaim gives back, as MemAvailable counts the page cache.
+    // less its file pages, active and inactive, which reclaim gives back, as MemAvailable counts the page
+    // cache.
     let used = |dir: &Path, stat: &str| {
         let charged = read(dir, usage_file)
             .and_then(|t| t.trim().parse::<u64>().ok())
@@ -79,7 +86,9 @@ pub(super) fn cgroup_dir_memory(cg: &super::CgroupDir) -> Option<super::CgroupMe
     let walked = (cg.dir.ancestors())
         .take_while(|d| d.starts_with(&cg.mount))
         .filter_map(|d| {
-            let limit = read(d, limit_file).as_deref().and_then(cgroup_limit)?;
+            let limit = (limit_files.iter())
+                .filter_map(|f| read(d, f).as_deref().and_then(cgroup_limit))
+                .min()?;
             let stat = read(d, "memory.stat").unwrap_or_default();
             Some(CgroupMemory {
                 limit,

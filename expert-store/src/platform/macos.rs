@@ -83,7 +83,6 @@ pub(super) fn available_memory() -> Option<u64> {
         free: u64::from(stats.free_count),
         inactive: u64::from(stats.inactive_count),
         purgeable: u64::from(stats.purgeable_count),
-        speculative: u64::from(stats.speculative_count),
     };
     Some(super::available_from_vm_pages(&counts, super::page_size()))
 }

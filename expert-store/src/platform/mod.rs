@@ -28,23 +28,23 @@ use std::ptr::NonNull;
 /// The page counts of macOS's `host_statistics64(HOST_VM_INFO64)` that matter for "available memory".
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct VmPageCounts {
-    /// Free pages (XNU reports them without the speculative ones).
+    /// `free_count`: free pages, the speculative ones included (XNU adds them in; `vm_stat` subtracts them
+    /// again to print "Pages free").
     pub free: u64,
     /// Inactive pages: clean or reclaimable without swapping first.
     pub inactive: u64,
     /// Purgeable pages: volatile memory the OS may discard at once.
     pub purgeable: u64,
-    /// Speculative pages: read-ahead file pages, reclaimed before anything else.
-    pub speculative: u64,
 }
 
-/// Bytes macOS can hand out without paging anything out: free + speculative + inactive + purgeable pages.
+/// Bytes macOS can hand out without paging anything out: free (speculative read-ahead included), inactive and
+/// purgeable pages.
 ///
 /// This is what Activity Monitor's "memory pressure" treats as reclaimable; wired, active and compressed
-/// pages are not counted. `free_count` excludes speculative pages in XNU, so both are added.
+/// pages are not counted. Purgeable pages also sit on the active or inactive queue, so the inactive ones are
+/// counted twice: an overcount the plan's margin covers, where leaving them out would miss the active ones.
 pub fn available_from_vm_pages(c: &VmPageCounts, page_size: u64) -> u64 {
     c.free
-        .saturating_add(c.speculative)
         .saturating_add(c.inactive)
         .saturating_add(c.purgeable)
         .saturating_mul(page_size)
@@ -219,7 +219,7 @@ pub struct CgroupMemory {
 }
 
 impl CgroupMemory {
-    /// What the cgroup can still give this process without reclaiming active memory.
+    /// What the cgroup can still give this process, reclaiming nothing but file pages.
     pub fn available(&self) -> u64 {
         self.limit.saturating_sub(self.used)
     }
@@ -463,17 +463,19 @@ mod tests {
     use super::*;
 
     /// `vm_stat` on a 64 GB M2 Max while idle: page size 16384, then the counts below.
+    /// A 64 GB M2 Max as `host_statistics64` gives it: `free_count` 1,904,640 pages, of which 61,440
+    /// speculative (`vm_stat` would print 1,843,200 free and 61,440 speculative).
     const M2_MAX_64GB: VmPageCounts = VmPageCounts {
-        free: 1_843_200,
+        free: 1_904_640,
         inactive: 812_345,
         purgeable: 24_576,
-        speculative: 61_440,
     };
 
     #[test]
     fn macos_available_memory_counts_reclaimable_pages() {
         let bytes = available_from_vm_pages(&M2_MAX_64GB, 16384);
-        assert_eq!(bytes, (1_843_200 + 812_345 + 24_576 + 61_440) * 16384);
+        // The speculative pages once: they are inside `free_count` already.
+        assert_eq!(bytes, (1_843_200 + 61_440 + 812_345 + 24_576) * 16384);
         // 44.9 GB of 64: the rest is wired, active and compressed.
         assert!((bytes as f64 / 1e9 - 44.92).abs() < 0.01, "{bytes}");
         assert_eq!(available_from_vm_pages(&VmPageCounts::default(), 16384), 0);
@@ -637,10 +639,20 @@ mod tests {
         write("mnt/a/b/memory.max", "400000\n");
         let got = os::cgroup_dir_memory(&v2).unwrap();
         assert_eq!((got.limit, got.available()), (400_000, 50_000));
+        // `memory.high` below `memory.max` is the limit.
+        write("mnt/a/b/memory.high", "380000\n");
+        let got = os::cgroup_dir_memory(&v2).unwrap();
+        assert_eq!((got.limit, got.available()), (380_000, 30_000));
+        write("mnt/a/b/memory.high", "max\n");
         // No limit on the way up: none.
         write("mnt/a/memory.max", "max\n");
         write("mnt/a/b/memory.max", "max\n");
         assert_eq!(os::cgroup_dir_memory(&v2), None);
+        // `memory.high` alone binds.
+        write("mnt/a/memory.high", "700000\n");
+        let got = os::cgroup_dir_memory(&v2).unwrap();
+        assert_eq!((got.limit, got.available()), (700_000, 0));
+        write("mnt/a/memory.high", "max\n");
         // v1: an unlimited own file, the hierarchy's limit from memory.stat.
         write("v1/g/memory.limit_in_bytes", "9223372036854771712\n");
         write("v1/g/memory.usage_in_bytes", "500000\n");
