@@ -186,6 +186,55 @@ fn mlx_checkpoints_restore_exactly() {
     assert_eq!(m.forward(&[10], &mut cache, &opts).unwrap(), b);
 }
 
+/// A prompt chunk leaves the recurrent state holding its own bytes: the conv history is not a view of the
+/// chunk's whole conv input (which a checkpoint would then pin for its life). The chunk's input here is
+/// ~34 MB against a state of 128 KB; the other tests of this file hold a few MB at most while they run.
+#[test]
+fn mlx_recurrent_state_after_a_chunk_holds_only_itself() {
+    use sluice_runtime::backend::mlx::MlxBackend;
+    use sluice_runtime::backend::{Backend, RecurrentState, SeqSpan};
+    use sluice_runtime::gated_delta::{DeltaParams, DeltaShape};
+    let (dv, n) = (4096, 2048);
+    let shape = DeltaShape {
+        k_heads: 1,
+        v_heads: 1,
+        k_dim: 8,
+        v_dim: dv,
+        kernel: 4,
+    };
+    let c = shape.conv_dim();
+    let be = MlxBackend;
+    let w = be
+        .delta_weights(&DeltaParams {
+            shape,
+            eps: 1e-6,
+            conv: vec![0.25; c * shape.kernel],
+            decay_rate: vec![0.5],
+            dt_bias: vec![0.0],
+            norm: vec![1.0; dv],
+        })
+        .unwrap();
+    let mut st = be.new_recurrent(shape);
+    let active = || mlx_rs::memory::active_memory().unwrap();
+    let before = active();
+    {
+        let rows = |cols: usize, f: fn(usize) -> f32| be.upload((0..n * cols).map(f).collect(), cols).unwrap();
+        let qkv = rows(c, |i| (i % 97) as f32 / 97.0 - 0.5);
+        let (z, b, a) = (rows(dv, |_| 0.5), rows(1, |_| 0.0), rows(1, |_| 0.0));
+        let spans = [SeqSpan { rows: 0..n, pos0: 0 }];
+        let y = be.gated_delta(&w, &qkv, &z, &b, &a, &spans, &mut [&mut st]).unwrap();
+        assert!(be.to_host(&y).unwrap().iter().all(|v| v.is_finite()));
+    }
+    st.commit();
+    let held = active().saturating_sub(before);
+    let window = (n + shape.kernel - 1) * c * 4;
+    assert!(
+        held < st.bytes() + window / 4,
+        "the state holds {held} bytes after the chunk: its own {} and part of the {window}-byte window",
+        st.bytes()
+    );
+}
+
 #[test]
 fn metal_working_set_comes_from_mlx_where_it_has_one() {
     let w = sluice_runtime::backend::mlx::recommended_working_set();

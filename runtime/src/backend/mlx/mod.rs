@@ -67,11 +67,11 @@ impl MlxKv {
                     _ => Ok(free),
                 }
             };
-            let old = self.kv.take();
-            self.kv = Some((
-                grown(k, old.as_ref().map(|o| &o.0))?,
-                grown(v, old.as_ref().map(|o| &o.1))?,
-            ));
+            // Both built before either replaces the buffers: a failure leaves the cache as it was.
+            let old = self.kv.as_ref();
+            let keys = grown(k, old.map(|o| &o.0))?;
+            let values = grown(v, old.map(|o| &o.1))?;
+            self.kv = Some((keys, values));
         }
         let Some((kc, vc)) = self.kv.as_mut() else {
             return Err(bad("the KV cache has no buffer after growing"));
@@ -96,11 +96,22 @@ impl KvState for MlxKv {
 
 /// The conv history `[kernel − 1, conv_dim]` and state `[v_heads, Dv, Dk]`, and the next ones a forward wrote.
 /// Arrays are immutable values, so a clone is a cheap snapshot.
-#[derive(Clone)]
 pub struct MlxRecurrent {
     hist: Array,
     state: Array,
     next: Option<(Array, Array)>,
+}
+
+impl Clone for MlxRecurrent {
+    /// The committed state only, as the cpu backend's: a snapshot or fork never carries a forward's uncommitted
+    /// write along.
+    fn clone(&self) -> Self {
+        MlxRecurrent {
+            hist: self.hist.clone(),
+            state: self.state.clone(),
+            next: None,
+        }
+    }
 }
 
 impl RecurrentState for MlxRecurrent {
@@ -356,7 +367,20 @@ impl Backend for MlxBackend {
                     .map_err(e)?;
             }
             let u = mlx_rs::nn::silu(conv).map_err(e)?;
+            // The next history is the window's last `kernel − 1` rows. A slice shares the window's buffer (the
+            // whole chunk's conv input, ~67 MB a layer for a 2,048-token chunk on Qwen3-Next), and an
+            // unevaluated one holds the window through its graph: either way the state would pin it until the
+            // next forward, or for a checkpoint's life. So a chunk's history is computed into a buffer of its
+            // own now (an elementwise op cannot take over a buffer much bigger than its output); a decode
+            // step's window is no bigger than the history, and keeps the slice.
             let hist = window.index((ni.., ..));
+            let hist = if ni > kernel {
+                let own = hist.multiply(scalar(1.0)).map_err(e)?;
+                mlx_rs::transforms::async_eval([&own]).map_err(e)?;
+                own
+            } else {
+                hist
+            };
             // q = l2norm(q)/√Dk, k = l2norm(k) (HF's x/√(Σx² + 1e-6): an RMSNorm with eps 1e-6/Dk, scaled),
             // heads repeated to the v-heads.
             let inv = 1.0 / (dk as f32).sqrt();
