@@ -181,8 +181,15 @@ impl PackedStore {
                 ),
             ));
         }
+        // Records lie one after another from the file's start, layer by layer, as `convert` writes them: an
+        // entry moved or swapped with another (checksum and all) would serve another expert's bytes.
+        let mut next_record = 0u64;
+        let mut seen = std::collections::HashSet::new();
         for l in &manifest.layers {
             let at = |what: String| bad(&mpath, format!("layer {}: {what}", l.layer));
+            if !seen.insert(l.layer) {
+                return Err(at("is listed twice".into()));
+            }
             if !l.record_len.is_multiple_of(manifest.record_align) {
                 return Err(at(format!("record length {} is not aligned", l.record_len)));
             }
@@ -221,7 +228,23 @@ impl PackedStore {
                 {
                     return Err(at(format!("record of expert {e} has a bad offset or checksum field")));
                 }
+                if r.offset != next_record {
+                    return Err(at(format!(
+                        "record of expert {e} is at offset {}, where the one before it ends at {next_record}",
+                        r.offset
+                    )));
+                }
+                next_record += l.record_len;
             }
+        }
+        if next_record != manifest.data_len {
+            return Err(bad(
+                &mpath,
+                format!(
+                    "its records end at byte {next_record} of a {}-byte data file",
+                    manifest.data_len
+                ),
+            ));
         }
         Ok(Self {
             dir: dir.to_path_buf(),
@@ -550,6 +573,9 @@ pub fn convert(
         Ok(()) => sync_dir(out)?,
     }
     std::fs::rename(&tmp, &data).map_err(io_err(&data))?;
+    // The data's rename on disk before the manifest's: else a power loss could keep the manifest over the old
+    // data file.
+    sync_dir(out)?;
     let manifest = Manifest {
         format: FORMAT.into(),
         // Version 1 where every record is as the checkpoint holds it: builds from before rewritten layouts
@@ -565,8 +591,18 @@ pub fn convert(
         checksum: "xxh3-64".into(),
         layers: manifest_layers,
     };
+    // Checked and every record re-read before the manifest lands: a store that fails either never opens.
+    let unpublished = PackedStore {
+        dir: out.to_path_buf(),
+        manifest,
+    };
+    unpublished.check_against(ckpt, stacks)?;
+    let bad_records = unpublished.verify(&|_| {})?;
+    if let Some(first) = bad_records.first() {
+        return Err(bad(&data, format!("verification after writing failed: {first}")));
+    }
     let mtmp = out.join(format!("{MANIFEST_FILE}.partial"));
-    let text = serde_json::to_string_pretty(&manifest).map_err(|e| bad(&mpath, e.to_string()))?;
+    let text = serde_json::to_string_pretty(&unpublished.manifest).map_err(|e| bad(&mpath, e.to_string()))?;
     let mut mfile = File::create(&mtmp).map_err(io_err(&mtmp))?;
     mfile.write_all(text.as_bytes()).map_err(io_err(&mtmp))?;
     mfile.sync_all().map_err(io_err(&mtmp))?;
@@ -574,11 +610,5 @@ pub fn convert(
     std::fs::rename(&mtmp, &mpath).map_err(io_err(&mpath))?;
     // The renames themselves last once the directory is on disk too.
     sync_dir(out)?;
-    let store = PackedStore::open(out)?;
-    store.check_against(ckpt, stacks)?;
-    let bad_records = store.verify(&|_| {})?;
-    if let Some(first) = bad_records.first() {
-        return Err(bad(&data, format!("verification after writing failed: {first}")));
-    }
-    Ok(store)
+    PackedStore::open(out)
 }

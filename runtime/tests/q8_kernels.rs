@@ -480,6 +480,24 @@ fn tiled_expert_records_stream_equal_to_resident() {
                 path.display()
             );
         }
+        // A tiled layer's gate and up swapped in the manifest (same lengths, the records' checksums still
+        // match): refused at load, not read as each other.
+        if tiled == 1 {
+            let mpath = tiled_store.join(expert_store::MANIFEST_FILE);
+            let text = std::fs::read_to_string(&mpath).unwrap();
+            let mut m: serde_json::Value = serde_json::from_str(&text).unwrap();
+            let layer = (m["layers"].as_array_mut().unwrap().iter_mut())
+                .find(|l| l["layout"].is_string())
+                .unwrap();
+            layer["stored_parts"].as_array_mut().unwrap().swap(0, 1);
+            std::fs::write(&mpath, serde_json::to_string(&m).unwrap()).unwrap();
+            let opts = ExpertOptions::default();
+            let e = load_model_with(&tiled_store, config.clone(), &opts)
+                .err()
+                .expect("refused");
+            assert!(e.to_string().contains("tiled records have parts at"), "{e}");
+            std::fs::write(&mpath, text).unwrap();
+        }
         // Only the int8 kernels read a tiled store: other kernels and backends get an error that says so. The
         // kernels go off only while no other test computes (this one's own read guard is let go first).
         drop(_on);

@@ -413,6 +413,23 @@ fn corrupt_stores_are_clear_errors() {
         "{err}"
     );
 
+    // Two experts' records swapped in the manifest, checksums and all: each would serve the other's bytes.
+    let mut swapped = m.clone();
+    swapped["layers"][1]["records"].as_array_mut().unwrap().swap(0, 2);
+    std::fs::write(&mpath, serde_json::to_string(&swapped).unwrap()).unwrap();
+    let err = PackedStore::open(&store_dir).err().unwrap().to_string();
+    assert!(
+        err.contains("layer 1") && err.contains("record of expert 0 is at offset"),
+        "{err}"
+    );
+    // A layer listed twice.
+    let mut twice = m.clone();
+    let first = twice["layers"][0].clone();
+    twice["layers"].as_array_mut().unwrap().push(first);
+    std::fs::write(&mpath, serde_json::to_string(&twice).unwrap()).unwrap();
+    let err = PackedStore::open(&store_dir).err().unwrap().to_string();
+    assert!(err.contains("layer 0: is listed twice"), "{err}");
+
     // Garbage manifest and unknown version.
     m["version"] = 99.into();
     std::fs::write(&mpath, serde_json::to_string(&m).unwrap()).unwrap();

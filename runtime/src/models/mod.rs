@@ -205,13 +205,21 @@ fn store_layouts(
                         what()
                     ))
                 })?;
-            let want: Vec<u64> = (tiled.matrices(inter, arch.dims.hidden).iter())
-                .map(|&(f, (rows, cols))| f.part_bytes(rows, cols)[0] as u64)
+            // Gate, up and down one after another from the record's start, as the tiling writes them: an offset
+            // edited in the manifest would read one matrix as another while the checksums still matched.
+            let mut at = 0;
+            let want: Vec<(u64, u64)> = (tiled.matrices(inter, arch.dims.hidden).iter())
+                .map(|&(f, (rows, cols))| {
+                    let len = f.part_bytes(rows, cols)[0] as u64;
+                    at += len;
+                    (at - len, len)
+                })
                 .collect();
-            let got: Vec<u64> = m.stored_parts.iter().flatten().map(|&(_, len)| len).collect();
+            let got: Vec<(u64, u64)> = m.stored_parts.iter().flatten().copied().collect();
             if got != want {
                 return Err(ModelError::InvalidArgument(format!(
-                    "{}: layer {layer}'s tiled records have parts of {got:?} bytes, the model's matrices need {want:?}",
+                    "{}: layer {layer}'s tiled records have parts at {got:?} (offset, bytes), the model's matrices \
+                     need {want:?}",
                     what()
                 )));
             }
