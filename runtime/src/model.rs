@@ -419,7 +419,7 @@ impl<B: Backend> Runner for Model<B> {
                             slot.clone_from(&per_seq[j]);
                         }
                     }
-                    seq.commit(&ids[spans[j].rows.clone()]);
+                    seq.commit(&ids[spans[j].rows.clone()], ks[spans[j].rows.start]);
                 }
                 Ok(logits)
             }
@@ -556,7 +556,9 @@ impl DecoderModel {
             cache,
             opts: *opts,
         }];
-        Ok(self.runner.forward(&mut reqs)?.pop().unwrap_or_default())
+        self.forward_batch(&mut reqs)?
+            .pop()
+            .ok_or_else(|| ModelError::InvalidArgument("no logits".into()))
     }
 
     /// One forward over several sequences at their own positions, each with its own experts per token; returns
@@ -565,6 +567,15 @@ impl DecoderModel {
     pub fn forward_batch(&self, reqs: &mut [SeqRequest<'_>]) -> Result<Vec<Vec<f32>>> {
         if reqs.is_empty() {
             return Ok(Vec::new());
+        }
+        // The memory plan's KV budget, not only the model's own context: past it the KV cache would grow into
+        // the room planned for experts.
+        let limit = self.context_limit();
+        if let Some(r) = reqs.iter().find(|r| r.cache.len() + r.tokens.len() > limit) {
+            return Err(ModelError::Limit(format!(
+                "{} tokens exceed the context limit of {limit} tokens (the KV budget of the memory plan; --ctx-size)",
+                r.cache.len() + r.tokens.len()
+            )));
         }
         self.runner.forward(reqs)
     }

@@ -39,9 +39,11 @@ pub(crate) struct Sequence<B: Backend> {
     pub prefixes: Vec<u64>,
 }
 
-/// The fingerprint of a prefix followed by `token` (splitmix64's finaliser over the pair).
-fn extend_prefix(prefix: u64, token: u32) -> u64 {
-    let mut z = prefix ^ (u64::from(token) + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+/// The fingerprint of a prefix followed by `token` computed with `top_k` experts per token (splitmix64's
+/// finaliser over the three): the same tokens through other experts leave other KV and recurrent state.
+fn extend_prefix(prefix: u64, token: u32, top_k: usize) -> u64 {
+    let step = u64::from(token) | (top_k as u64) << 32;
+    let mut z = prefix ^ (step + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
@@ -69,8 +71,8 @@ impl<B: Backend> Sequence<B> {
         }
     }
 
-    /// After a successful forward of `tokens`.
-    pub fn commit(&mut self, tokens: &[u32]) {
+    /// After a successful forward of `tokens` with `top_k` experts per token.
+    pub fn commit(&mut self, tokens: &[u32], top_k: usize) {
         for l in &mut self.layers {
             if let LayerState::Recurrent(r) = l {
                 r.commit();
@@ -78,7 +80,7 @@ impl<B: Backend> Sequence<B> {
         }
         for &t in tokens {
             let last = self.prefixes.last().copied().unwrap_or(0);
-            self.prefixes.push(extend_prefix(last, t));
+            self.prefixes.push(extend_prefix(last, t, top_k));
         }
     }
 
@@ -203,6 +205,10 @@ impl<B: Backend> SequenceState for Sequence<B> {
             if let LayerState::Kv(k) = l {
                 k.truncate(len);
             }
+        }
+        if len < self.positions() {
+            // The routes of a token no longer cached guess nothing about the next one (as after a restore).
+            self.last_experts.iter_mut().for_each(Vec::clear);
         }
         self.prefixes.truncate(len + 1);
         Ok(())

@@ -170,5 +170,36 @@ fn a_checkpoint_of_a_rewritten_branch_is_refused() {
         let want = step(&m, &mut fork, &[9]);
         assert!(step(&m, &mut cache, &[9]) == want, "{name}");
         fork.restore(&at5).unwrap();
+        // The same token through fewer experts is another branch: its KV and state differ.
+        cache.restore(&at5).unwrap();
+        let two = ForwardOptions {
+            top_k: Some(2),
+            ..Default::default()
+        };
+        m.forward(&[6], &mut cache, &two).unwrap();
+        let e = cache.restore(&at6).unwrap_err().to_string();
+        assert!(e.contains("a branch since rewrote them"), "{name}: {e}");
     }
+}
+
+/// A forward past the memory plan's context (`--ctx-size`) is refused, as generate and serve refuse it: the KV
+/// cache would grow into the room planned for experts.
+#[test]
+fn a_forward_past_the_planned_context_is_refused() {
+    let dir = common::fixture("qwen3_moe-q4g64");
+    let opts = ExpertOptions {
+        context: Some(8),
+        ..ExpertOptions::default()
+    };
+    let m = load_model_with(&dir, sluice_runtime::config::ModelConfig::load(&dir).unwrap(), &opts).unwrap();
+    assert_eq!(m.context_limit(), 8);
+    let mut cache = m.new_cache();
+    step(&m, &mut cache, &[1, 2, 3, 4, 5, 6]);
+    let e = m
+        .forward(&[7, 8, 9], &mut cache, &ForwardOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("9 tokens exceed the context limit of 8"), "{e}");
+    assert_eq!(cache.len(), 6, "a refused forward changes nothing");
+    step(&m, &mut cache, &[7, 8]);
 }
