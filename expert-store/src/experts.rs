@@ -415,6 +415,51 @@ mod tests {
             .collect()
     }
 
+    /// A rewrite that fails on the last record.
+    struct FailsLast;
+
+    impl crate::RecordTransform for FailsLast {
+        fn parts(&self, layer: usize, read: &[(usize, usize)]) -> Option<Vec<(usize, usize)>> {
+            Reversed.parts(layer, read)
+        }
+
+        fn apply(
+            &self,
+            layer: usize,
+            record: &[u8],
+            from: &[(usize, usize)],
+            slot: &mut [u8],
+            to: &[(usize, usize)],
+        ) -> Result<(), String> {
+            // Expert 2's records start with its own number in every part (`parts_of`).
+            match record[from[0].0] {
+                2 => Err("no room".into()),
+                _ => Reversed.apply(layer, record, from, slot, to),
+            }
+        }
+    }
+
+    #[test]
+    fn a_convert_that_fails_midway_leaves_no_partial_file() {
+        let d = tempfile::tempdir().unwrap();
+        let (ck, layout) = stacked_checkpoint(d.path());
+        let out = d.path().join("store");
+        let opts = crate::ConvertOptions {
+            force: false,
+            progress: &|_, _| {},
+            rewrite: Some((&FailsLast, "fails")),
+        };
+        let Err(e) = crate::convert(&ck, std::slice::from_ref(&layout), &out, &opts) else {
+            panic!("the rewrite's failure fails the convert")
+        };
+        assert!(e.to_string().contains("expert 2 cannot be rewritten: no room"), "{e}");
+        let left: Vec<_> = std::fs::read_dir(&out)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
+    }
+
     #[test]
     fn a_store_written_rewritten_serves_the_rewritten_records() {
         use crate::{EngineOptions, PackedStore, StreamingSource};

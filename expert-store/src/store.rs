@@ -421,6 +421,17 @@ pub struct ConvertOptions<'a> {
     pub rewrite: Option<(&'a dyn crate::RecordTransform, &'a str)>,
 }
 
+/// Removes its file when dropped, unless it was taken back (`.0 = None`).
+struct RemoveOnDrop(Option<PathBuf>);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        if let Some(path) = self.0.take() {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
 /// Puts directory `dir`'s entries (renames, removals) on disk.
 fn sync_dir(dir: &Path) -> Result<(), StoreError> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(io_err(dir))
@@ -482,6 +493,9 @@ pub fn convert(
         total += record_len * s.num_experts as u64;
     }
     let tmp = out.join(format!("{DATA_FILE}.partial"));
+    // A convert that fails before its data is in place takes its partial file with it: after a full disk,
+    // nearly the whole store's size.
+    let mut partial = RemoveOnDrop(Some(tmp.clone()));
     // Records are whole aligned blocks written from an aligned buffer, so the data file can bypass the page
     // cache: converting a model bigger than memory then holds one record, not gigabytes of dirty pages.
     let (mut file, mut uncached) = crate::platform::create_uncached(&tmp).map_err(io_err(&tmp))?;
@@ -573,6 +587,7 @@ pub fn convert(
         Ok(()) => sync_dir(out)?,
     }
     std::fs::rename(&tmp, &data).map_err(io_err(&data))?;
+    partial.0 = None;
     // The data's rename on disk before the manifest's: else a power loss could keep the manifest over the old
     // data file.
     sync_dir(out)?;
