@@ -147,7 +147,8 @@ impl Pipeline {
     }
 
     /// Generates from `prompt`, calling `on_text` once per generated token with the text it completes (possibly
-    /// empty while a character or a possible stop string is held back); `on_text` returns `false` to stop.
+    /// empty while a character or a possible stop string is held back), and with empty text between a long
+    /// prompt's chunks; `on_text` returns `false` to stop.
     pub fn generate(
         &self,
         prompt: &Prompt,
@@ -179,8 +180,22 @@ impl Pipeline {
         let t0 = Instant::now();
         let mut logits = Vec::new();
         let chunk = params.prefill_chunk.unwrap_or(self.model.memory_plan.prefill_chunk);
-        for chunk in ids.chunks(chunk.max(1)) {
-            logits = self.model.forward(chunk, &mut cache, &opts)?;
+        let mut chunks = ids.chunks(chunk.max(1)).peekable();
+        while let Some(c) = chunks.next() {
+            logits = self.model.forward(c, &mut cache, &opts)?;
+            // Between a long prompt's chunks the receiver may cancel too (an agent's 30k-token prompt can take
+            // minutes): asked with no text.
+            if chunks.peek().is_some() && !on_text("") {
+                return Ok(GenerationStats {
+                    prompt_tokens: ids.len(),
+                    prefill_time: t0.elapsed(),
+                    generated_tokens: 0,
+                    tokens: Vec::new(),
+                    decode_steps: 0,
+                    decode_time: Duration::ZERO,
+                    finish: FinishReason::Cancelled,
+                });
+            }
         }
         let prefill_time = t0.elapsed();
 

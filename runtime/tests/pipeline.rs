@@ -288,6 +288,32 @@ fn cancellation_stops_at_the_next_token() {
     assert!(stats.generated_tokens < 50);
 }
 
+/// A long prompt's prefill stops at the next chunk once the receiver cancels, before any token is sampled.
+#[test]
+fn cancellation_stops_a_prefill_between_its_chunks() {
+    let p = Pipeline::load(&fixture("qwen3_moe-q4g64")).unwrap();
+    let mut calls = 0;
+    let stats = p
+        .generate_tokens(
+            &(1..=40).collect::<Vec<u32>>(),
+            false,
+            &GenerateParams {
+                max_tokens: 5,
+                prefill_chunk: Some(8),
+                ..Default::default()
+            },
+            |text| {
+                calls += 1;
+                assert_eq!(text, "", "no text before the prompt is read");
+                false
+            },
+        )
+        .unwrap();
+    assert_eq!(stats.finish, FinishReason::Cancelled);
+    assert_eq!((calls, stats.generated_tokens), (1, 0));
+    assert_eq!(stats.prompt_tokens, 40);
+}
+
 #[test]
 fn prompt_longer_than_the_context_is_a_clear_error_and_context_end_finishes() {
     let dir = fixture("qwen3_moe-q4g64");

@@ -328,8 +328,9 @@ impl Common {
                 ));
             }
         }
-        // The default fits a small --ctx-size: a request that leaves max_tokens out is not refused for it.
-        let max = (self.max_completion_tokens.or(self.max_tokens)).unwrap_or(256.min(l.context_length as i64));
+        // Left out, a reply runs to its end-of-sequence token or the context's end, as OpenAI's chat API and
+        // llama.cpp's server run it (a fixed default cut agents' replies, and a thinking model's, short).
+        let max = (self.max_completion_tokens.or(self.max_tokens)).unwrap_or(l.context_length as i64);
         if max < 1 || max as u64 > l.context_length as u64 {
             return Err(ApiError::bad(
                 format!(

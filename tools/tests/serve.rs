@@ -515,9 +515,13 @@ fn the_context_limit_is_the_one_the_kv_budget_is_planned_for() {
     let chat = json!({"messages": [{"role": "user", "content": long}], "max_tokens": 2});
     let (st, v) = post(&s, "/v1/chat/completions", &chat);
     assert_eq!((st, &v["error"]["param"]), (400, &json!("messages")), "{v}");
-    // Without max_tokens the default (256) is cut to the limit, not refused.
+    // Without max_tokens a reply runs to the context's end: once 48 positions are filled, the token sampled
+    // from the last is the last one.
     let (st, v) = post(&s, "/v1/completions", &json!({"prompt": "x", "ignore_eos": true}));
     assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(v["usage"]["completion_tokens"].as_u64().unwrap(), 49 - prompt, "{v}");
     // A completion that reaches the limit ends there: once 48 positions are filled, the token sampled from the
     // last is the last one (as in the library's own test).
     let (st, v) = post(
