@@ -20,8 +20,17 @@ pub enum Prompt {
     Raw(String),
     /// Messages rendered through the model's chat template, ending with the assistant's turn.
     Chat(Vec<ChatMessage>),
+    /// Messages rendered with extra template variables (`chat_template_kwargs`, e.g. `enable_thinking`).
+    ChatWith(Vec<ChatMessage>, serde_json::Map<String, serde_json::Value>),
     /// Token ids.
     Tokens(Vec<u32>),
+}
+
+impl Prompt {
+    /// Whether it is rendered from messages (a reply then starts on its own, not after the prompt's text).
+    pub fn is_chat(&self) -> bool {
+        matches!(self, Prompt::Chat(_) | Prompt::ChatWith(..))
+    }
 }
 
 /// How to generate.
@@ -120,6 +129,9 @@ impl Pipeline {
             Prompt::Raw(text) => self.codec.encode(text, true),
             // The template writes the special tokens itself, as in HF's apply_chat_template.
             Prompt::Chat(msgs) => self.codec.encode(&self.codec.apply_chat_template(msgs, true)?, false),
+            Prompt::ChatWith(msgs, kwargs) => {
+                (self.codec).encode(&self.codec.apply_chat_template_with(msgs, true, kwargs)?, false)
+            }
             Prompt::Tokens(t) => Ok(t.clone()),
         }
     }
@@ -156,7 +168,7 @@ impl Pipeline {
         on_text: impl FnMut(&str) -> bool,
     ) -> Result<GenerationStats> {
         let ids = self.tokenize(prompt)?;
-        self.generate_tokens(&ids, matches!(prompt, Prompt::Chat(_)), params, on_text)
+        self.generate_tokens(&ids, prompt.is_chat(), params, on_text)
     }
 
     /// [`Pipeline::generate`] from a tokenized prompt; `chat` says it came from messages. A text prompt's

@@ -138,6 +138,24 @@ impl TextCodec {
 
     /// Renders `messages` with the model's chat template (as Hugging Face's `apply_chat_template` does).
     pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.apply_chat_template_with(messages, add_generation_prompt, &serde_json::Map::new())
+    }
+
+    /// [`TextCodec::apply_chat_template`] with extra variables for the template (HF's `**kwargs`, the
+    /// `chat_template_kwargs` of OpenAI-compatible servers: Qwen3's `enable_thinking`, say). They cannot
+    /// replace the variables the renderer sets.
+    pub fn apply_chat_template_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, Value>,
+    ) -> Result<String> {
+        const OWN: [&str; 4] = ["messages", "add_generation_prompt", "bos_token", "eos_token"];
+        if let Some(k) = kwargs.keys().find(|k| OWN.contains(&k.as_str())) {
+            return Err(ModelError::InvalidArgument(format!(
+                "chat template variable `{k}` is set by the server and cannot be passed"
+            )));
+        }
         let template = self
             .chat_template
             .as_deref()
@@ -173,12 +191,13 @@ impl TextCodec {
         );
         env.add_template("chat", template)
             .map_err(|e| ModelError::Tokenizer(format!("chat template: {e}")))?;
-        let ctx = minijinja::context! {
+        let own = minijinja::context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.clone().unwrap_or_default(),
             eos_token => self.eos_token.clone().unwrap_or_default(),
         };
+        let ctx = minijinja::context! { ..own, ..JValue::from_serialize(kwargs) };
         env.get_template("chat")
             .and_then(|t| t.render(ctx))
             .map_err(|e| ModelError::Tokenizer(format!("chat template: {e}")))
@@ -412,6 +431,23 @@ mod tests {
         let (_d, c) = codec_with_template(Value::String(t.into()));
         let msgs = ["s", "u", "stop", "never"].map(|m| ChatMessage::new(if m == "s" { "system" } else { "user" }, m));
         assert_eq!(c.apply_chat_template(&msgs, false).unwrap(), "ustop");
+    }
+
+    #[test]
+    fn template_variables_reach_the_template_and_cannot_replace_its_own() {
+        // Qwen3's switch, as its template reads it.
+        let t = "{% for m in messages %}{{ m.content }}{% endfor %}\
+                 {% if add_generation_prompt %}{% if enable_thinking is defined and enable_thinking is false %}\
+                 [no-think]{% else %}[think]{% endif %}{% endif %}";
+        let (_d, c) = codec_with_template(Value::String(t.into()));
+        let msgs = [ChatMessage::new("user", "q")];
+        assert_eq!(c.apply_chat_template(&msgs, true).unwrap(), "q[think]");
+        let mut vars = serde_json::Map::new();
+        vars.insert("enable_thinking".into(), Value::Bool(false));
+        assert_eq!(c.apply_chat_template_with(&msgs, true, &vars).unwrap(), "q[no-think]");
+        vars.insert("add_generation_prompt".into(), Value::Bool(false));
+        let e = c.apply_chat_template_with(&msgs, true, &vars).unwrap_err().to_string();
+        assert!(e.contains("`add_generation_prompt` is set by the server"), "{e}");
     }
 
     #[test]

@@ -89,6 +89,16 @@ impl ApiError {
         )
     }
 
+    /// 503 once the engine thread has ended.
+    fn engine_stopped() -> Self {
+        Self::with(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "engine_stopped",
+            "the engine stopped; restart the server",
+        )
+    }
+
     /// 404 for a model id this server does not serve.
     fn model_not_found(asked: &str, served: &str) -> Self {
         Self {
@@ -146,7 +156,13 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(self.body())).into_response()
+        let mut r = (self.status, Json(self.body())).into_response();
+        if self.status == StatusCode::TOO_MANY_REQUESTS {
+            // A full queue frees a place when a generation ends: try again soon.
+            r.headers_mut()
+                .insert("retry-after", axum::http::HeaderValue::from_static("1"));
+        }
+        r
     }
 }
 
@@ -221,6 +237,21 @@ struct Common {
     tool_choice: Option<Value>,
     functions: Option<Value>,
     function_call: Option<Value>,
+    // Fields of other OpenAI-compatible servers (vLLM, llama.cpp) and newer OpenAI ones that change the output:
+    // refused when asked for, not silently ignored.
+    guided_json: Option<Value>,
+    guided_regex: Option<Value>,
+    guided_choice: Option<Value>,
+    guided_grammar: Option<Value>,
+    grammar: Option<Value>,
+    json_schema: Option<Value>,
+    stop_token_ids: Option<Value>,
+    min_tokens: Option<Value>,
+    include_stop_str_in_output: Option<Value>,
+    reasoning_effort: Option<Value>,
+    modalities: Option<Value>,
+    audio: Option<Value>,
+    prediction: Option<Value>,
     /// sluice extension: experts per token for this request (at most the server's `--top-k`).
     expert_top_k: Option<i64>,
     /// Extension (as in vLLM): keep generating past end-of-sequence tokens.
@@ -230,6 +261,9 @@ struct Common {
 #[derive(Deserialize)]
 struct ChatRequest {
     messages: Vec<Message>,
+    /// Extra variables for the chat template (vLLM's and llama.cpp's extension), e.g. Qwen3's
+    /// `{"enable_thinking": false}`.
+    chat_template_kwargs: Option<Value>,
     #[serde(flatten)]
     common: Common,
 }
@@ -243,14 +277,27 @@ struct CompletionRequest {
 
 /// Reads and parses a JSON body, with OpenAI errors for oversized or malformed input.
 async fn parse<T: for<'de> Deserialize<'de>>(req: Request) -> Result<T, ApiError> {
-    let bytes = to_bytes(req.into_body(), MAX_BODY).await.map_err(|_| ApiError {
-        status: StatusCode::PAYLOAD_TOO_LARGE,
-        message: format!("request body exceeds {MAX_BODY} bytes"),
-        kind: "invalid_request_error",
-        param: None,
-        code: Some("request_too_large"),
+    let bytes = to_bytes(req.into_body(), MAX_BODY).await.map_err(|e| {
+        // The limit's error says so in its own words; anything else is a body the client did not finish.
+        if e.to_string().contains("length limit") {
+            ApiError {
+                status: StatusCode::PAYLOAD_TOO_LARGE,
+                message: format!("request body exceeds {MAX_BODY} bytes"),
+                kind: "invalid_request_error",
+                param: None,
+                code: Some("request_too_large"),
+            }
+        } else {
+            ApiError::bad(format!("the request body could not be read: {e}"), None)
+        }
     })?;
     serde_json::from_slice(&bytes).map_err(|e| ApiError::bad(format!("invalid request body: {e}"), None))
+}
+
+/// The Unix time of this server's first request id, in seconds.
+fn started_at() -> u64 {
+    static AT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *AT.get_or_init(now)
 }
 
 fn now() -> u64 {
@@ -263,7 +310,24 @@ impl Common {
     fn reject_unsupported(&self) -> Result<(), ApiError> {
         let asked =
             |v: &Option<Value>, off: &dyn Fn(&Value) -> bool| v.as_ref().is_some_and(|v| !(v.is_null() || off(v)));
-        let fields: [(&'static str, bool); 9] = [
+        let none = |v: &Value| v.as_array().is_some_and(|a| a.is_empty()) || v.as_str() == Some("");
+        let fields: [(&'static str, bool); 22] = [
+            ("guided_json", asked(&self.guided_json, &none)),
+            ("guided_regex", asked(&self.guided_regex, &none)),
+            ("guided_choice", asked(&self.guided_choice, &none)),
+            ("guided_grammar", asked(&self.guided_grammar, &none)),
+            ("grammar", asked(&self.grammar, &none)),
+            ("json_schema", asked(&self.json_schema, &none)),
+            ("stop_token_ids", asked(&self.stop_token_ids, &none)),
+            ("min_tokens", asked(&self.min_tokens, &|v| v.as_i64() == Some(0))),
+            (
+                "include_stop_str_in_output",
+                asked(&self.include_stop_str_in_output, &|v| v == &Value::Bool(false)),
+            ),
+            ("reasoning_effort", asked(&self.reasoning_effort, &none)),
+            ("modalities", asked(&self.modalities, &|v| v == &json!(["text"]))),
+            ("audio", asked(&self.audio, &none)),
+            ("prediction", asked(&self.prediction, &none)),
             ("logprobs", asked(&self.logprobs, &|v| v == &Value::Bool(false))),
             ("top_logprobs", asked(&self.top_logprobs, &|v| v.as_i64() == Some(0))),
             (
@@ -314,10 +378,17 @@ impl Common {
             }
         }
         if self.n.is_some_and(|n| n != 1) {
-            return Err(ApiError::bad("n > 1 is not supported yet", Some("n")));
+            return Err(ApiError::bad(
+                "n must be 1 (several choices are not supported yet)",
+                Some("n"),
+            ));
         }
         self.reject_unsupported()?;
-        if self.tools.as_ref().is_some_and(|t| !t.is_null()) {
+        if self
+            .tools
+            .as_ref()
+            .is_some_and(|t| !(t.is_null() || t.as_array().is_some_and(|a| a.is_empty())))
+        {
             return Err(ApiError::bad("tools are not supported yet", Some("tools")));
         }
         if let Some(f) = &self.response_format {
@@ -332,12 +403,13 @@ impl Common {
         // llama.cpp's server run it (a fixed default cut agents' replies, and a thinking model's, short).
         let max = (self.max_completion_tokens.or(self.max_tokens)).unwrap_or(l.context_length as i64);
         if max < 1 || max as u64 > l.context_length as u64 {
+            let field = match self.max_completion_tokens {
+                Some(_) => "max_completion_tokens",
+                None => "max_tokens",
+            };
             return Err(ApiError::bad(
-                format!(
-                    "max_tokens must be between 1 and the context length {}",
-                    l.context_length
-                ),
-                Some("max_tokens"),
+                format!("{field} must be between 1 and the context length {}", l.context_length),
+                Some(field),
             ));
         }
         let expert_top_k = match self.expert_top_k {
@@ -366,7 +438,21 @@ impl Common {
             seed: self.seed()?,
             ..SamplingParams::default()
         };
-        sampling.validate().map_err(|e| ApiError::bad(e.to_string(), None))?;
+        sampling.validate().map_err(|e| {
+            // The field the message starts with (its own words name it).
+            let fields = [
+                "temperature",
+                "top_p",
+                "min_p",
+                "repetition_penalty",
+                "frequency_penalty",
+            ];
+            let param = match &e {
+                ModelError::InvalidArgument(m) => fields.into_iter().find(|f| m.starts_with(f)),
+                _ => None,
+            };
+            ApiError::bad(e.to_string(), param)
+        })?;
         let stop = match &self.stop {
             None => Vec::new(),
             Some(Stop::One(s)) => vec![s.clone()],
@@ -479,7 +565,8 @@ async fn chat_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiErr
             None => String::new(),
             Some(Content::Text(t)) => t.clone(),
             Some(Content::Parts(parts)) => {
-                let mut s = String::new();
+                // One line each, as vLLM joins them: parts run together would merge their words.
+                let mut texts = Vec::with_capacity(parts.len());
                 for p in parts {
                     if p.kind != "text" {
                         return Err(ApiError::bad(
@@ -487,9 +574,9 @@ async fn chat_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiErr
                             Some("messages"),
                         ));
                     }
-                    s.push_str(p.text.as_deref().unwrap_or(""));
+                    texts.push(p.text.as_deref().unwrap_or(""));
                 }
-                s
+                texts.join("\n")
             }
         };
         let role = if m.role == "developer" {
@@ -499,8 +586,18 @@ async fn chat_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiErr
         };
         msgs.push(ChatMessage::new(role, &text));
     }
+    let prompt = match body.chat_template_kwargs {
+        None | Some(Value::Null) => Prompt::Chat(msgs),
+        Some(Value::Object(kwargs)) => Prompt::ChatWith(msgs, kwargs),
+        Some(_) => {
+            return Err(ApiError::bad(
+                "chat_template_kwargs must be an object",
+                Some("chat_template_kwargs"),
+            ))
+        }
+    };
     let params = body.common.params(st, l)?;
-    run(l, &st.model_id, Prompt::Chat(msgs), params, &body.common, true).await
+    run(l, &st.model_id, prompt, params, &body.common, true).await
 }
 
 async fn completions_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiError> {
@@ -551,14 +648,7 @@ async fn run(
                 "the request queue is full; retry later",
             ))
         }
-        Err(SubmitError::Stopped) => {
-            return Err(ApiError::with(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "server_error",
-                "engine_stopped",
-                "the engine stopped",
-            ))
-        }
+        Err(SubmitError::Stopped) => return Err(ApiError::engine_stopped()),
     }
     let prompt_tokens = match rx.recv().await {
         Some(Event::Started { prompt_tokens }) => prompt_tokens,
@@ -572,11 +662,10 @@ async fn run(
             ))
         }
     };
-    let id = format!(
-        "{}-{}",
-        if chat { "chatcmpl" } else { "cmpl" },
-        arrived.elapsed().as_nanos() ^ now() as u128
-    );
+    // Unique within this server's life, and across restarts by the start time in it.
+    static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let id = format!("{}-{:x}{n:06x}", if chat { "chatcmpl" } else { "cmpl" }, started_at());
     let ctx = Reply {
         metrics: Arc::clone(&l.metrics),
         id,
@@ -741,6 +830,9 @@ pub async fn health(State(st): State<Arc<AppState>>) -> Response {
     let Some(l) = st.loaded.get() else {
         return ApiError::loading().into_response();
     };
+    if l.engine.stopped() {
+        return ApiError::engine_stopped().into_response();
+    }
     // Requests are served either way; until the slots are backed, reads also fault memory in and run slower.
     let body = match l.metrics.slots_backed() {
         Some(backed) => json!({"status": "ok", "expert_slots": if backed { "backed" } else { "backing" }}),

@@ -189,6 +189,11 @@ impl EngineHandle {
         st.jobs.len()
     }
 
+    /// Whether the engine thread has ended (no request can be served any more).
+    pub fn stopped(&self) -> bool {
+        self.queue.lock().stopped
+    }
+
     /// Jobs being generated (0 or 1).
     pub fn running(&self) -> usize {
         self.running.load(Ordering::SeqCst)
@@ -214,7 +219,7 @@ fn run(p: Pipeline, queue: &Queue, running: Arc<AtomicUsize>, m: Arc<Metrics>) {
                 let _ = events.send(Event::Started {
                     prompt_tokens: ids.len(),
                 });
-                let chat = matches!(job.prompt, Prompt::Chat(_));
+                let chat = job.prompt.is_chat();
                 p.generate_tokens(&ids, chat, &job.params, |text| {
                     // The receiver is dropped when the client disconnects: stop at this token.
                     events.send(Event::Text(text.to_string())).is_ok()

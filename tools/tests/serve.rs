@@ -371,7 +371,32 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
             "/v1/completions",
             json!({"prompt": "x", "n": 2}).to_string(),
             400,
-            "n > 1",
+            "n must be 1",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "guided_json": {"type": "object"}}).to_string(),
+            400,
+            "guided_json is not supported",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "stop_token_ids": [5]}).to_string(),
+            400,
+            "stop_token_ids is not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": true}).to_string(),
+            400,
+            "chat_template_kwargs must be an object",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": []}})
+                .to_string(),
+            400,
+            "set by the server",
         ),
         (
             "/v1/chat/completions",
@@ -418,6 +443,19 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
         ("/v1/completions", "x".repeat(5 << 20), 413, "exceeds"),
         ("/v1/nothing", "{}".into(), 404, "no such endpoint"),
     ];
+    // The field a bad value is in is named.
+    for (body, param) in [
+        (json!({"prompt": "x", "temperature": -1}), "temperature"),
+        (json!({"prompt": "x", "top_p": 2}), "top_p"),
+        (
+            json!({"prompt": "x", "max_completion_tokens": 0}),
+            "max_completion_tokens",
+        ),
+        (json!({"prompt": "x", "reasoning_effort": "high"}), "reasoning_effort"),
+    ] {
+        let (st, v) = post(&s, "/v1/completions", &body);
+        assert_eq!((st, &v["error"]["param"]), (400, &json!(param)), "{v}");
+    }
     for (path, body, status, msg) in cases {
         let (st, b) = request(&s, "POST", path, &body);
         let v: Value = serde_json::from_str(&b).unwrap_or_else(|_| panic!("{path}: not JSON: {b}"));
@@ -467,9 +505,32 @@ fn what_common_clients_send_is_understood() {
     let legacy = json!({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]});
     let (st, v) = post(&s, "/v1/chat/completions", &legacy);
     assert_eq!((st, &v["error"]["param"]), (400, &json!("functions")), "{v}");
-    let empty =
-        json!({"messages": [{"role": "user", "content": "x", "tool_calls": []}], "functions": [], "max_tokens": 2});
-    assert_eq!(post(&s, "/v1/chat/completions", &empty).0, 200);
+    let empty = json!({"messages": [{"role": "user", "content": "x", "tool_calls": []}], "functions": [],
+        "tools": [], "max_tokens": 2, "modalities": ["text"], "min_tokens": 0, "stop_token_ids": []});
+    let (st, v) = post(&s, "/v1/chat/completions", &empty);
+    assert_eq!(st, 200, "{v}");
+    // Text parts are lines of one message, as vLLM joins them: the reply is the one to the joined text.
+    let parts = json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "The quick"},
+        {"type": "text", "text": "brown fox"}]}], "max_tokens": 6, "temperature": 0});
+    let (st, v) = post(&s, "/v1/chat/completions", &parts);
+    assert_eq!(st, 200, "{v}");
+    let want = greedy(Prompt::Chat(vec![ChatMessage::new("user", "The quick\nbrown fox")]), 6);
+    assert_eq!(v["choices"][0]["message"]["content"], want, "{v}");
+    // Template variables reach the chat template (Qwen3's `enable_thinking`): the reply is the one to that
+    // rendering.
+    let kwargs = json!({"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 6, "temperature": 0,
+        "chat_template_kwargs": {"enable_thinking": false}});
+    let (st, v) = post(&s, "/v1/chat/completions", &kwargs);
+    assert_eq!(st, 200, "{v}");
+    let mut vars = serde_json::Map::new();
+    vars.insert("enable_thinking".into(), json!(false));
+    let want = greedy(Prompt::ChatWith(vec![ChatMessage::new("user", "Hello")], vars), 6);
+    assert_eq!(v["choices"][0]["message"]["content"], want, "{v}");
+    // Request ids differ.
+    let id = |v: &Value| v["id"].as_str().unwrap().to_string();
+    let (_, a) = post(&s, "/v1/chat/completions", &empty);
+    let (_, b) = post(&s, "/v1/chat/completions", &empty);
+    assert_ne!(id(&a), id(&b));
     // The model by id (openai-python's `models.retrieve`), and OpenAI errors for a wrong id or method.
     let (st, body) = request(&s, "GET", "/v1/models/fox", "");
     assert_eq!(st, 200);
