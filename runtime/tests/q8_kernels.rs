@@ -66,6 +66,11 @@ fn matmul_matches_the_int8_oracle_for_every_shape() {
         (4, 32, 5, 192, 6),
         (4, 128, 4, 640, 1),
         (4, 32, 2, 64, 4),
+        // A real width whose last 128-column step is short (gpt-oss's 2880 = 45 × 64), in 16-row bands and not.
+        (4, 64, 64, 2880, 1),
+        (4, 64, 64, 2880, 5),
+        (4, 64, 7, 2880, 4),
+        (8, 64, 16, 2880, 2),
     ] {
         let gpr = cols / group;
         let codes: Vec<u32> = (0..rows * cols).map(|_| rng.gen_range(0..(1u32 << bits))).collect();

@@ -7,8 +7,9 @@ use super::kv::{KvElem, KEY_BLOCK};
 
 /// Dot product with four 4-wide FMA accumulators.
 pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "dot of unequal lengths");
     // SAFETY: `Isa::Neon` is only selected after `is_aarch64_feature_detected!("neon")` returned true; the
-    // slices have equal length (checked by the caller), and every load below is within `i + 4 <= n`.
+    // slices have equal length (asserted), and every load below is within `i + 4 <= n`.
     unsafe { dot_impl(a, b) }
 }
 

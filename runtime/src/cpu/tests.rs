@@ -35,8 +35,10 @@ fn case_strategy() -> impl Strategy<Value = (Case, Vec<f32>, usize)> {
         prop::sample::select(vec![2u32, 3, 4, 5, 6, 8]),
         prop::sample::select(vec![32usize, 64, 128]),
         1usize..24,
-        1usize..4,
-        1usize..4,
+        // Up to 45 groups: a real width such as gpt-oss's 2880 (45 × 64), whose last step is short.
+        prop::sample::select(vec![1usize, 2, 3, 45]),
+        // 4 and more tokens too: the kernels take four at a time, then the rest.
+        1usize..10,
         prop::sample::select(vec![FloatType::F32, FloatType::F16, FloatType::BF16]),
         any::<u64>(),
     )
@@ -126,7 +128,7 @@ proptest! {
     #[test]
     fn attention_kernels_are_the_same_bits_on_every_isa(
         heads in 1usize..20,
-        hd in prop::sample::select(vec![2usize, 8, 16, 40, 64, 128, 136]),
+        hd in prop::sample::select(vec![2usize, 8, 16, 40, 48, 64, 80, 96, 128, 136, 256]),
         visible in prop::sample::select(vec![0usize, 1, 3, 15, 16, 17, 39, 63, 64, 65, 130, 200]),
         extra in 0usize..20,
         pad in 0usize..5,

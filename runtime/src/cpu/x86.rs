@@ -4,8 +4,9 @@ use std::arch::x86_64::*;
 
 /// Dot product with four 8-wide FMA accumulators.
 pub(super) fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "dot of unequal lengths");
     // SAFETY: `Isa::Avx2`/`Isa::Avx512` are only selected after `is_x86_feature_detected!("avx2")` and
-    // `("fma")` returned true; the slices have equal length (checked by the caller).
+    // `("fma")` returned true; the slices have equal length (asserted), and every load is below `n`.
     unsafe { dot_avx2_impl(a, b) }
 }
 
@@ -43,8 +44,9 @@ unsafe fn dot_avx2_impl(a: &[f32], b: &[f32]) -> f32 {
 
 /// Dot product with two 16-wide FMA accumulators.
 pub(super) fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "dot of unequal lengths");
     // SAFETY: `Isa::Avx512` is only selected after `is_x86_feature_detected!("avx512f")` returned true; the
-    // slices have equal length (checked by the caller).
+    // slices have equal length (asserted), and every load is below `n`.
     unsafe { dot_avx512_impl(a, b) }
 }
 
@@ -456,6 +458,15 @@ pub(super) fn q8_rows(
         raw.scales.len() >= a.rows * groups * raw.size && raw.biases.len() >= a.rows * groups * raw.size,
         "group bounds"
     );
+    // The instruction set each kernel uses, checked here too (cached): a kernel description is plain data.
+    if k.avx512 {
+        assert!(super::q8::vnni_available(), "AVX-512 VNNI");
+    } else {
+        assert!(
+            f16c_available() && is_x86_feature_detected!("fma"),
+            "AVX2, FMA and F16C"
+        );
+    }
     // The 4-bit kernels and the AVX2 8-bit one take one or four tokens per pass; the AVX-512 8-bit one one at a
     // time.
     if a.tokens > 1 && !((k.bits == 4 || !k.avx512) && a.tokens == 4) {
@@ -472,8 +483,8 @@ pub(super) fn q8_rows(
         return;
     }
     use super::FloatType as F;
-    // SAFETY: the kernel was chosen by `Q8Kernel::for_matrix`, which requires AVX2+FMA+F16C (selected ISA) and,
-    // for `avx512`, AVX-512 F/BW/VL/VNNI detected at run time; the asserts bound every read: codes
+    // SAFETY: the kernel's instruction set is detected above (AVX2+FMA+F16C, or for `avx512` AVX-512
+    // F/BW/VL/VNNI); the asserts bound every read: codes
     // (rows·row_bytes, cols·bits/8 per row), activations (tokens·cols), lane scales (tokens·cols/lane_cols),
     // scales and biases (rows·groups values, whole groups per row; AVX-512 loads are masked to the values
     // needed; AVX2 reads a whole four-step chunk's values unaligned, copies a short last chunk's and a row's last
