@@ -459,14 +459,7 @@ pub(super) fn q8_rows(
         "group bounds"
     );
     // The instruction set each kernel uses, checked here too (cached): a kernel description is plain data.
-    if k.avx512 {
-        assert!(super::q8::vnni_available(), "AVX-512 VNNI");
-    } else {
-        assert!(
-            f16c_available() && is_x86_feature_detected!("fma"),
-            "AVX2, FMA and F16C"
-        );
-    }
+    assert_int8_isa(k.avx512);
     // The 4-bit kernels and the AVX2 8-bit one take one or four tokens per pass; the AVX-512 8-bit one one at a
     // time.
     if a.tokens > 1 && !((k.bits == 4 || !k.avx512) && a.tokens == 4) {
@@ -1009,6 +1002,19 @@ unsafe fn q4_maddubs_for<const TY: u8>(a: &Q8RowsArgs<'_>, raw: &RawScales<'_>, 
 }
 
 /// Whether the CPU converts f16 in hardware (F16C, with AVX2 for the wide loads).
+/// Panics unless this CPU runs the int8 kernels' instructions: AVX-512 F/BW/VL/VNNI (`avx512`), else AVX2, FMA
+/// and F16C.
+fn assert_int8_isa(avx512: bool) {
+    if avx512 {
+        assert!(super::q8::vnni_available(), "AVX-512 VNNI");
+    } else {
+        assert!(
+            f16c_available() && is_x86_feature_detected!("fma"),
+            "AVX2, FMA and F16C"
+        );
+    }
+}
+
 pub(super) fn f16c_available() -> bool {
     is_x86_feature_detected!("f16c") && is_x86_feature_detected!("avx2")
 }
@@ -1237,14 +1243,7 @@ pub(super) fn q4_tiled_rows(a: &TiledArgs<'_>, out: &mut [f32], ostride: usize) 
         (groups, blocks),
         (out, ostride, a.rows),
     );
-    if a.avx512 {
-        assert!(super::q8::vnni_available(), "AVX-512 VNNI");
-    } else {
-        assert!(
-            f16c_available() && is_x86_feature_detected!("fma"),
-            "AVX2, FMA and F16C"
-        );
-    }
+    assert_int8_isa(a.avx512);
     use super::tiled::PASS_TILES;
     use super::FloatType as F;
     // SAFETY: the kernel's instruction set (AVX-512 F/BW/VL/VNNI, or AVX2, FMA and F16C) detected above; the
