@@ -37,7 +37,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use lru::LruCache;
 
@@ -109,6 +109,9 @@ struct Entry {
     last_pass: u64,
     /// Whether its slot holds the record as the table's transform rewrote it (else as read).
     rewritten: bool,
+    /// Whether its read was a guess's: a fetch that finds such a read failed reads it again on demand, as it
+    /// does for a guess that failed before the fetch asked.
+    guessed: bool,
 }
 
 struct Job {
@@ -539,7 +542,19 @@ impl Inner {
         let victim = st.entries.victim(focus, beyond, |e| match &e.state {
             SlotState::Ready(b) => Arc::strong_count(b) == 1 && e.waiters == 0 && !(for_prefetch && e.unused_prefetch),
             _ => false,
-        })?;
+        });
+        let Some(victim) = victim else {
+            // A demand read takes the slot of a guess not started yet rather than wait for a read to land:
+            // that guess would be read and then evicted unused for it. (A queued guess has no waiters: a fetch
+            // that asks for one moves it to the demand queue.)
+            if for_prefetch {
+                return None;
+            }
+            let job = lock(&self.queue).prefetch.pop_back()?;
+            st.entries.pop(&job.key);
+            self.counters.prefetch_cancelled.fetch_add(1, Relaxed);
+            return Some(job.buf);
+        };
         let e = st.entries.pop(&victim)?;
         if e.unused_prefetch {
             self.counters.prefetch_wasted.fetch_add(1, Relaxed);
@@ -574,6 +589,7 @@ impl Inner {
                 bytes,
                 last_pass,
                 rewritten: rewrite,
+                guessed: prefetch,
             },
         );
         let mut q = lock(&self.queue);
@@ -726,8 +742,15 @@ impl Inner {
                 // Ended when the read ended, not when this lock was taken: a busy machine can keep a
                 // worker waiting for the lock far longer than the read took.
                 let ended = started + took;
-                if let Some((_, last)) = &mut q.window {
+                if let Some((first, last)) = &mut q.window {
                     *last = (*last).max(ended);
+                    // Counted at every read's end, not when the disk goes idle: under sustained load it never
+                    // does, and the depth of a scrape's interval would read 0 (busy time and no active time).
+                    let active = last.saturating_duration_since(*first);
+                    self.counters
+                        .read_active_ns
+                        .fetch_add(active.as_nanos() as u64, Relaxed);
+                    *first = *last;
                 }
                 q.in_flight -= 1;
                 q.reading -= 1;
@@ -736,12 +759,7 @@ impl Inner {
                     q.guesses_reading -= 1;
                 }
                 if q.reading == 0 {
-                    if let Some((first, last)) = q.window.take() {
-                        let active = last.saturating_duration_since(first);
-                        self.counters
-                            .read_active_ns
-                            .fetch_add(active.as_nanos() as u64, Relaxed);
-                    }
+                    q.window = None;
                 }
             }
             let c = &self.counters;
@@ -915,6 +933,10 @@ fn add_cpu_since(
     now
 }
 
+/// How long a fetch that finds every slot held by computations looks again before it fails: records are let
+/// go of asynchronously on some backends.
+const RELEASE_GRACE: Duration = Duration::from_millis(500);
+
 /// What a waiting fetch found for one of its records.
 enum Arrival {
     Ready(ExpertRecord),
@@ -1001,6 +1023,7 @@ impl LayerFetch<'_> {
     fn wait_next(&mut self) -> Result<(usize, ExpertRecord), StoreError> {
         let inner = self.inner;
         let started = Instant::now();
+        let mut all_held_since: Option<Instant> = None;
         let mut st = lock(&inner.state);
         let result = loop {
             self.submit_pending(&mut st)?;
@@ -1013,19 +1036,26 @@ impl LayerFetch<'_> {
                 match st
                     .entries
                     .get_mut(&key)
-                    .map(|e| (&e.state, &mut e.waiters, e.rewritten))
+                    .map(|e| (&e.state, &mut e.waiters, e.rewritten, e.guessed))
                 {
-                    Some((SlotState::Ready(b), waiters, rewritten)) => {
+                    Some((SlotState::Ready(b), waiters, rewritten, _)) => {
                         *waiters = waiters.saturating_sub(1);
                         found = Some((i, Arrival::Ready(inner.record_of(key, b, rewritten)?)));
                         break;
                     }
-                    Some((SlotState::Failed(msg), _, _)) => {
+                    // A guess's read that failed after this fetch asked for it: read again on demand, as
+                    // when it failed before (a transient error must not fail the step in one case only).
+                    Some((SlotState::Failed(_), _, _, true)) => {
+                        found = Some((i, Arrival::Lost));
+                        st.entries.pop(&key);
+                        break;
+                    }
+                    Some((SlotState::Failed(msg), _, _, false)) => {
                         found = Some((i, Arrival::Failed(msg.clone())));
                         st.entries.pop(&key);
                         break;
                     }
-                    Some((SlotState::Loading, _, _)) => {}
+                    Some((SlotState::Loading, _, _, _)) => {}
                     // Cannot happen (loading entries are never evicted); request it again rather than hang.
                     None => {
                         found = Some((i, Arrival::Lost));
@@ -1054,6 +1084,15 @@ impl LayerFetch<'_> {
                     // which change under this lock when a read lands (the queue's count drops before).
                     let loading = (st.entries.iter()).any(|(_, e)| matches!(e.state, SlotState::Loading));
                     if !loading {
+                        // A computation lets go of its records when it is done, with no word to this engine (MLX
+                        // releases Metal's hold on a zero-copy slot once its command buffer completes): look
+                        // again for a while before calling the cache too small.
+                        let since = *all_held_since.get_or_insert_with(Instant::now);
+                        if since.elapsed() < RELEASE_GRACE {
+                            st = (inner.arrived.wait_timeout(st, Duration::from_millis(1)))
+                                .map_or_else(|e| e.into_inner().0, |(g, _)| g);
+                            continue;
+                        }
                         break Err(StoreError::Engine(format!(
                             "expert cache of {} slots is too small: every slot is held by a computation",
                             inner.slots

@@ -64,13 +64,19 @@ impl ReadAt for PosixFile {
     }
 }
 
-/// Reads exactly `buf.len()` bytes at `offset`, retrying short reads; fewer bytes only at end of file
-/// when `allow_eof_after` bytes have already been read (the tail of an O_DIRECT-aligned read).
+/// Reads exactly `buf.len()` bytes at `offset`, retrying short reads; fewer bytes only once `allow_eof_after`
+/// bytes have been read (the tail of an O_DIRECT-aligned read, which may run past the end of the file).
 pub fn read_full(f: &dyn ReadAt, buf: &mut [u8], offset: u64, allow_eof_after: usize) -> io::Result<usize> {
     let mut done = 0;
     while done < buf.len() {
         match f.read_at(&mut buf[done..], offset + done as u64) {
             Ok(0) if done >= allow_eof_after => break,
+            // A short read that brought in every byte needed is the end of the file: asking again at the
+            // unaligned offset it stopped at fails under O_DIRECT on filesystems that check alignment first.
+            Ok(n) if done + n >= allow_eof_after && done + n < buf.len() => {
+                done += n;
+                break;
+            }
             Ok(0) => {
                 return Err(io::Error::new(
                     io::ErrorKind::UnexpectedEof,
@@ -355,6 +361,39 @@ impl RecordTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A file of `len` bytes read as O_DIRECT reads it where alignment is checked before the end of the file:
+    /// an unaligned offset or length is EINVAL, and a read at the end comes back short.
+    struct DirectFile {
+        len: u64,
+    }
+
+    impl ReadAt for DirectFile {
+        fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+            if !offset.is_multiple_of(4096) || !buf.len().is_multiple_of(4096) {
+                return Err(io::Error::from_raw_os_error(22));
+            }
+            let n = (self.len.saturating_sub(offset) as usize).min(buf.len());
+            buf[..n].fill(7);
+            Ok(n)
+        }
+        fn path(&self) -> &Path {
+            Path::new("direct")
+        }
+    }
+
+    #[test]
+    fn an_aligned_read_past_the_end_of_the_file_ends_where_the_file_does() {
+        // The last tensor ends 1000 bytes into the file's last block; the read covers two blocks.
+        let f = DirectFile { len: 4096 + 1000 };
+        let mut buf = vec![0u8; 8192];
+        assert_eq!(read_full(&f, &mut buf, 0, 4096 + 1000).unwrap(), 5096);
+        assert!(buf[..5096].iter().all(|&b| b == 7));
+        // Bytes that must exist and do not are still an error.
+        let mut buf = vec![0u8; 8192];
+        let e = read_full(&DirectFile { len: 4096 }, &mut buf, 0, 5000).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof, "{e}");
+    }
 
     #[test]
     fn a_read_cut_into_pieces_covers_it_in_order_and_shares_out_what_must_exist() {

@@ -381,6 +381,45 @@ fn every_slot_pinned_fails_the_fetch_clearly_and_the_engine_recovers() {
     assert_eq!(counters(&src).read_errors, 0);
 }
 
+/// With no slot free and none evictable, a demand read takes the slot of a queued guess (not yet started)
+/// instead of waiting for the read under way, after which that guess would be read and evicted unused.
+#[test]
+fn a_demand_read_takes_the_slot_of_a_guess_not_yet_started() {
+    // Guesses for the next layer (a fetch drops its own layer's queued guesses anyway).
+    let (t, file) = table_of(&[LAYER, LAYER + 1]);
+    let src = StreamingSource::new(t, &options(2 * SLOT, 1)).unwrap();
+    file.close();
+    src.prefetch(LAYER + 1, &[0, 1]);
+    file.wait_started(1);
+    let waits = src.fetch_waits();
+    let got = std::thread::scope(|s| {
+        let fetch = s.spawn(|| src.read_expert(LAYER, 2));
+        wait_for_blocked_fetch(&src, waits);
+        file.open();
+        fetch.join().unwrap()
+    });
+    assert_record(&got.unwrap(), 2);
+    assert_eq!(file.reads(), [offset_in(1, 0), offset_in(0, 2)]);
+    let c = counters(&src);
+    assert_eq!((c.prefetch_cancelled, c.prefetch_wasted), (1, 0), "{c:?}");
+}
+
+/// Records let go of a moment after a fetch found every slot held (as MLX lets go of Metal's hold on a slot once
+/// its command buffer completes, telling no one) are waited for: no error.
+#[test]
+fn slots_let_go_of_a_moment_later_are_waited_for() {
+    let (src, _) = engine(2, 2);
+    let held = (read(&src, 0), read(&src, 1));
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            drop(held);
+        });
+        read(&src, 2);
+    });
+    assert_eq!(counters(&src).reads, 3);
+}
+
 /// When every slot is held or being read into, a fetch waits for the read in flight rather than failing:
 /// the prefetch lands unused and is evicted for the demand read (counted as waste).
 #[test]
@@ -1164,14 +1203,15 @@ struct FailOnce {
 }
 
 impl ReadAt for FailOnce {
+    /// Reads through the file (held at its gate like any read), then fails if this offset is to fail once.
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        let n = self.file.read_at(buf, offset)?;
         let mut failing = self.failing.lock().unwrap();
         if let Some(i) = failing.iter().position(|&o| o == offset) {
             failing.remove(i);
             return Err(io::Error::other("transient"));
         }
-        drop(failing);
-        self.file.read_at(buf, offset)
+        Ok(n)
     }
 
     fn path(&self) -> &Path {
@@ -1198,4 +1238,73 @@ fn a_guess_whose_read_failed_is_no_hit_and_is_read_again_on_demand() {
     read(&src, 6);
     let c = counters(&src);
     assert_eq!((c.prefetch_issued, c.prefetch_hits, c.read_errors), (2, 0, 2), "{c:?}");
+}
+
+/// A guess whose read fails after a fetch asked for it is read again on demand, as one that failed before the
+/// fetch: the same transient error must not fail the step in one of the two cases only.
+#[test]
+fn a_guess_that_fails_while_a_fetch_waits_for_it_is_read_again_on_demand() {
+    let (mut t, file) = table();
+    let failing = Mutex::new(vec![offset_of(5)]);
+    t.files = vec![Arc::new(FailOnce {
+        file: Arc::clone(&file),
+        failing,
+    })];
+    let src = StreamingSource::new(t, &options(4 * SLOT, 2)).unwrap();
+    file.close();
+    src.prefetch(LAYER, &[5]);
+    file.wait_started(1);
+    let waits = src.fetch_waits();
+    let got = std::thread::scope(|s| {
+        let fetch = s.spawn(|| src.read_expert(LAYER, 5));
+        wait_for_blocked_fetch(&src, waits);
+        file.open();
+        fetch.join().unwrap()
+    });
+    assert_record(&got.unwrap(), 5);
+    let c = counters(&src);
+    assert_eq!((c.read_errors, c.reads), (1, 1), "{c:?}");
+    assert_eq!(file.reads(), offsets(&[5, 5]));
+}
+
+/// A file whose every read takes `delay`.
+struct Slow {
+    file: Arc<MemFile>,
+    delay: Duration,
+}
+
+impl ReadAt for Slow {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        std::thread::sleep(self.delay);
+        self.file.read_at(buf, offset)
+    }
+
+    fn path(&self) -> &Path {
+        self.file.path()
+    }
+}
+
+/// The read depth of an interval in which the disk never went idle is counted in that interval: the time
+/// reads were under way is added as each read ends, not only once none is left.
+#[test]
+fn read_depth_is_counted_while_the_disk_stays_busy() {
+    let (mut t, file) = table();
+    t.files = vec![Arc::new(Slow {
+        file,
+        delay: Duration::from_millis(60),
+    })];
+    let src = StreamingSource::new(t, &options(8 * SLOT, 2)).unwrap();
+    std::thread::scope(|s| {
+        // Eight reads two at a time: ~240 ms of a disk never idle, reads ending at ~60, 120, 180 and 240 ms.
+        let all = s.spawn(|| fetch_all(&src, &[0, 1, 2, 3, 4, 5, 6, 7], true).map(|r| r.len()));
+        std::thread::sleep(Duration::from_millis(70));
+        let a = counters(&src);
+        std::thread::sleep(Duration::from_millis(120));
+        let b = counters(&src);
+        let d = b.since(&a);
+        assert!(d.read_busy_seconds > 0.0, "{d:?}");
+        let depth = d.effective_queue_depth();
+        assert!((1.0..=2.5).contains(&depth), "depth {depth} over the interval: {d:?}");
+        assert_eq!(all.join().unwrap().unwrap(), 8);
+    });
 }
