@@ -394,16 +394,19 @@ impl StreamingSource {
             backed_lock: Mutex::new(()),
             backed_now: Condvar::new(),
         });
-        let workers = (0..opts.io_depth.max(1))
-            .map(|i| {
-                let inner = Arc::clone(&inner);
-                std::thread::Builder::new()
-                    .name(format!("sluice-io-{i}"))
-                    .spawn(move || inner.worker())
-                    .map_err(|e| StoreError::Engine(format!("cannot start I/O thread: {e}")))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let mut engine = Self { inner, workers };
+        // Started one by one into the engine, so that one failing to start stops those before it (the drop).
+        let mut engine = Self {
+            inner,
+            workers: Vec::new(),
+        };
+        for i in 0..opts.io_depth.max(1) {
+            let inner = Arc::clone(&engine.inner);
+            let worker = std::thread::Builder::new()
+                .name(format!("sluice-io-{i}"))
+                .spawn(move || inner.worker())
+                .map_err(|e| StoreError::Engine(format!("cannot start I/O thread: {e}")))?;
+            engine.workers.push(worker);
+        }
         if let Some(pass) = prefault {
             let inner = Arc::clone(&engine.inner);
             // Without this thread the slots still fault in on first read, only slower: nothing to report.
@@ -671,13 +674,21 @@ impl Inner {
 
     /// Backs the slots with memory ahead of the reads that will fill them (see [`Prefault`]).
     fn prefault(&self, pass: &Prefault) {
+        /// Says the pass has ended however it ends: a panic in it must not leave `wait_backed` waiting.
+        struct Ended<'a>(&'a Inner);
+        impl Drop for Ended<'_> {
+            fn drop(&mut self) {
+                self.0.mark_backed();
+            }
+        }
+        let ended = Ended(self);
         let started = Instant::now();
         // Stops between slots once the engine is dropped; counts its CPU time slot by slot, so a run sees
         // what the pass took from it while it ran.
         let mut cpu = crate::platform::thread_cpu_time();
         let count_cpu = || cpu = add_cpu_since(&self.counters.prefault_cpu_ns, cpu);
         let bytes = pass.run(|| lock(&self.queue).shutdown, count_cpu);
-        self.mark_backed();
+        drop(ended);
         let secs = started.elapsed().as_secs_f64();
         tracing::info!(
             "backed {:.2} GB of expert slots with memory in {secs:.2} s ({:.2} GB/s): reads no longer fault fresh memory in",

@@ -505,8 +505,15 @@ fn build_decoder<B: Backend>(be: B, p: Parts<'_>) -> Result<Model<B>> {
                 shared,
             } => {
                 let (stored, rewritten) = layouts.next().expect("one layout per MoE layer");
-                // Rewritten records are told apart by their part count (tiles: one part per matrix).
-                debug_assert!(rewritten.is_none_or(|r| r.record_parts() != stored.record_parts()));
+                // Rewritten records are told apart by their part count (tiles: one part per matrix): equal
+                // counts would read one layout as the other.
+                if rewritten.is_some_and(|r| r.record_parts() == stored.record_parts()) {
+                    return Err(crate::error::ModelError::Internal(format!(
+                        "layer {i}: its rewritten records have as many parts as its stored ones ({}), so the two \
+                         cannot be told apart",
+                        stored.record_parts()
+                    )));
+                }
                 Ffn::Moe(SparseMoe {
                     router: be.matrix(&w.linear(&format!("{prefix}.gate"), *num_experts, d.hidden)?)?,
                     kind: d.router,
