@@ -212,7 +212,10 @@ impl CounterSnapshot {
 
     /// Share of issued prefetches that a decode step then used.
     pub fn prefetch_accuracy(&self) -> f64 {
-        ratio(self.prefetch_hits as f64, self.prefetch_issued as f64)
+        // Of the guesses read: a queued one dropped unread (its layer fetched without it, a newer guess, a
+        // demand read that took its slot) cost nothing and is no miss.
+        let read = self.prefetch_issued.saturating_sub(self.prefetch_cancelled);
+        ratio(self.prefetch_hits as f64, read as f64)
     }
 
     /// CPU the I/O threads used per record read, seconds (0 when nothing was read).
@@ -259,6 +262,17 @@ fn ratio(a: f64, b: f64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prefetch_accuracy_is_over_the_guesses_read() {
+        // Ten guesses queued, four dropped unread, three of the six read then used.
+        let c = StoreCounters::default();
+        c.prefetch_issued.store(10, Relaxed);
+        c.prefetch_cancelled.store(4, Relaxed);
+        c.prefetch_hits.store(3, Relaxed);
+        assert_eq!(c.snapshot().prefetch_accuracy(), 0.5);
+        assert_eq!(StoreCounters::default().snapshot().prefetch_accuracy(), 0.0);
+    }
 
     #[test]
     fn histogram_buckets_and_quantiles() {

@@ -170,7 +170,10 @@ impl Metrics {
                     "sluice_expert_cache_misses_total",
                     "Expert requests that waited for a read",
                 ),
-                prefetch_issued: counter("sluice_expert_prefetch_issued_total", "Prefetch reads issued"),
+                prefetch_issued: counter(
+                    "sluice_expert_prefetch_issued_total",
+                    "Prefetch reads queued (those later dropped unread are also in prefetch_cancelled)",
+                ),
                 prefetch_hits: counter("sluice_expert_prefetch_hits_total", "Prefetched records later used"),
                 prefetch_wasted_bytes: counter(
                     "sluice_expert_prefetch_wasted_bytes_total",
@@ -178,7 +181,8 @@ impl Metrics {
                 ),
                 prefetch_cancelled: counter(
                     "sluice_expert_prefetch_cancelled_total",
-                    "Queued prefetches dropped unread because their layer was fetched without them",
+                    "Queued prefetches dropped unread: their layer was fetched without them, a newer guess replaced \
+                     them, or a demand read took their slot",
                 ),
                 guessed: counter(
                     "sluice_expert_guessed_total",
