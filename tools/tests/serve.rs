@@ -597,6 +597,17 @@ fn the_context_limit_is_the_one_the_kv_budget_is_planned_for() {
     assert_eq!(v["usage"]["completion_tokens"].as_u64().unwrap(), 49 - prompt, "{v}");
 }
 
+/// A reply without `max_tokens` is not cut at a fixed length (it was 256): it runs to the context's end.
+#[test]
+fn a_reply_without_max_tokens_runs_to_the_end_of_the_context() {
+    let s = start(&["--ctx-size", "400"]);
+    let (st, v) = post(&s, "/v1/completions", &json!({"prompt": "x", "ignore_eos": true}));
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(v["usage"]["completion_tokens"].as_u64().unwrap(), 401 - prompt, "{v}");
+}
+
 #[test]
 fn a_corrupt_expert_record_fails_its_request_and_the_server_keeps_serving() {
     let tmp = tempfile::tempdir().unwrap();
