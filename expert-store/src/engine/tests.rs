@@ -230,6 +230,22 @@ fn fetch_all(src: &StreamingSource, experts: &[usize], batched: bool) -> Result<
         .collect())
 }
 
+/// Reads `expert` of `layer` while `file`'s gate is closed: once the fetch waits for a read, opens the gate.
+fn read_through_gate(
+    src: &StreamingSource,
+    file: &MemFile,
+    layer: usize,
+    expert: usize,
+) -> Result<ExpertRecord, StoreError> {
+    let waits = src.fetch_waits();
+    std::thread::scope(|s| {
+        let fetch = s.spawn(|| src.read_expert(layer, expert));
+        wait_for_blocked_fetch(src, waits);
+        file.open();
+        fetch.join().unwrap()
+    })
+}
+
 /// Waits until a fetch blocks for a read to land (`before` is the count of such waits seen earlier).
 fn wait_for_blocked_fetch(src: &StreamingSource, before: usize) {
     let deadline = Instant::now() + GUARD;
@@ -391,13 +407,7 @@ fn a_demand_read_takes_the_slot_of_a_guess_not_yet_started() {
     file.close();
     src.prefetch(LAYER + 1, &[0, 1]);
     file.wait_started(1);
-    let waits = src.fetch_waits();
-    let got = std::thread::scope(|s| {
-        let fetch = s.spawn(|| src.read_expert(LAYER, 2));
-        wait_for_blocked_fetch(&src, waits);
-        file.open();
-        fetch.join().unwrap()
-    });
+    let got = read_through_gate(&src, &file, LAYER, 2);
     assert_record(&got.unwrap(), 2);
     assert_eq!(file.reads(), [offset_in(1, 0), offset_in(0, 2)]);
     let c = counters(&src);
@@ -430,13 +440,7 @@ fn fetch_waits_for_a_read_in_flight_when_no_slot_is_free() {
     src.prefetch(LAYER, &[0]);
     file.wait_started(2);
     assert_eq!(src.slot_census(), (0, 1));
-    let waits = src.fetch_waits();
-    let got = std::thread::scope(|s| {
-        let fetch = s.spawn(|| src.read_expert(LAYER, 2));
-        wait_for_blocked_fetch(&src, waits);
-        file.open();
-        fetch.join().unwrap()
-    });
+    let got = read_through_gate(&src, &file, LAYER, 2);
     assert_record(&got.unwrap(), 2);
     assert_record(&held, 1);
     let c = counters(&src);
@@ -1254,13 +1258,7 @@ fn a_guess_that_fails_while_a_fetch_waits_for_it_is_read_again_on_demand() {
     file.close();
     src.prefetch(LAYER, &[5]);
     file.wait_started(1);
-    let waits = src.fetch_waits();
-    let got = std::thread::scope(|s| {
-        let fetch = s.spawn(|| src.read_expert(LAYER, 5));
-        wait_for_blocked_fetch(&src, waits);
-        file.open();
-        fetch.join().unwrap()
-    });
+    let got = read_through_gate(&src, &file, LAYER, 5);
     assert_record(&got.unwrap(), 5);
     let c = counters(&src);
     assert_eq!((c.read_errors, c.reads), (1, 1), "{c:?}");
