@@ -285,9 +285,12 @@ pub fn huge_pages() -> Option<HugePages> {
 pub struct MemoryNow {
     /// Physical memory, or the memory cgroup's limit where that is less.
     pub total: u64,
-    /// What the OS can give this process now without paging out, within the cgroup's room.
+    /// What the OS can give this process now without paging out (Linux `MemAvailable`; macOS free,
+    /// inactive and purgeable pages), within the cgroup's room.
     pub available: u64,
-    /// The memory cgroup that bounds both, if any.
+    /// The tightest memory cgroup limit on this process and what is charged against it (Linux: a
+    /// container's `--memory`, a systemd `MemoryMax` or `MemoryHigh`), which bounds both; `None` where none
+    /// applies.
     pub cgroup: Option<CgroupMemory>,
 }
 
@@ -300,24 +303,6 @@ pub fn memory_now() -> Option<MemoryNow> {
         available: cgroup.map_or(available, |cg| available.min(cg.available())).min(total),
         cgroup,
     })
-}
-
-/// Physical memory in bytes, or the memory cgroup's limit where that is less.
-pub fn total_memory() -> Option<u64> {
-    memory_now().map(|m| m.total)
-}
-
-/// Memory the OS can give this process now without paging out (Linux `MemAvailable`; macOS free,
-/// speculative, inactive and purgeable pages), within the memory cgroup's room.
-pub fn available_memory() -> Option<u64> {
-    memory_now().map(|m| m.available)
-}
-
-/// The tightest memory cgroup limit on this process and what is charged against it (Linux: a container's
-/// `--memory`, a systemd `MemoryMax`); `None` where none applies. `total_memory` and `available_memory`
-/// already take it into account.
-pub fn memory_cgroup() -> Option<CgroupMemory> {
-    os::cgroup_memory()
 }
 
 /// This process's resident set size now.
@@ -462,7 +447,6 @@ pub unsafe fn unmap(ptr: NonNull<u8>, len: usize) {
 mod tests {
     use super::*;
 
-    /// `vm_stat` on a 64 GB M2 Max while idle: page size 16384, then the counts below.
     /// A 64 GB M2 Max as `host_statistics64` gives it: `free_count` 1,904,640 pages, of which 61,440
     /// speculative (`vm_stat` would print 1,843,200 free and 61,440 speculative).
     const M2_MAX_64GB: VmPageCounts = VmPageCounts {
@@ -671,8 +655,11 @@ mod tests {
 
     #[test]
     fn this_machine_answers_every_memory_question() {
-        let total = total_memory().expect("total memory");
-        let avail = available_memory().expect("available memory");
+        let MemoryNow {
+            total,
+            available: avail,
+            ..
+        } = memory_now().expect("total and available memory");
         assert!(avail > 0 && avail <= total, "available {avail} of {total}");
         let rss = resident_bytes().expect("resident bytes");
         let peak = peak_resident_bytes().expect("peak resident bytes");
@@ -689,17 +676,19 @@ mod tests {
             let close = (0..5).any(|_| {
                 let text = std::fs::read_to_string("/proc/meminfo").unwrap();
                 let want = meminfo_bytes(&text, "MemAvailable").unwrap();
-                let want = memory_cgroup().map_or(want, |cg| want.min(cg.available()));
-                available_memory().unwrap().abs_diff(want) < 256 << 20
+                let now = memory_now().unwrap();
+                let want = now.cgroup.map_or(want, |cg| want.min(cg.available()));
+                now.available.abs_diff(want) < 256 << 20
             });
             assert!(
                 close,
-                "available_memory() never within 256 MB of MemAvailable (or the memory cgroup's room)"
+                "available memory never within 256 MB of MemAvailable (or the memory cgroup's room)"
             );
             // Physical memory, or the memory cgroup's limit where that is less.
             let text = std::fs::read_to_string("/proc/meminfo").unwrap();
             let physical = meminfo_bytes(&text, "MemTotal").unwrap();
-            assert_eq!(total, memory_cgroup().map_or(physical, |cg| physical.min(cg.limit)));
+            let cgroup = memory_now().unwrap().cgroup;
+            assert_eq!(total, cgroup.map_or(physical, |cg| physical.min(cg.limit)));
             assert_eq!(gpu_working_set_limit(), None);
         }
         #[cfg(target_os = "macos")]
