@@ -70,8 +70,7 @@ pub fn read_full(f: &dyn ReadAt, buf: &mut [u8], offset: u64, allow_eof_after: u
     let mut done = 0;
     while done < buf.len() {
         match f.read_at(&mut buf[done..], offset + done as u64) {
-            Ok(0) if done >= allow_eof_after => break,
-            // A short read that brought in every byte needed is the end of the file: asking again at the
+            // A short read (or none) once every byte needed is in is the end of the file: asking again at the
             // unaligned offset it stopped at fails under O_DIRECT on filesystems that check alignment first.
             Ok(n) if done + n >= allow_eof_after && done + n < buf.len() => {
                 done += n;
