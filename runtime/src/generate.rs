@@ -193,20 +193,14 @@ impl Pipeline {
         let mut logits = Vec::new();
         let chunk = params.prefill_chunk.unwrap_or(self.model.memory_plan.prefill_chunk);
         let mut chunks = ids.chunks(chunk.max(1)).peekable();
+        let mut cancelled = false;
         while let Some(c) = chunks.next() {
             logits = self.model.forward(c, &mut cache, &opts)?;
             // Between a long prompt's chunks the receiver may cancel too (an agent's 30k-token prompt can take
             // minutes): asked with no text.
             if chunks.peek().is_some() && !on_text("") {
-                return Ok(GenerationStats {
-                    prompt_tokens: ids.len(),
-                    prefill_time: t0.elapsed(),
-                    generated_tokens: 0,
-                    tokens: Vec::new(),
-                    decode_steps: 0,
-                    decode_time: Duration::ZERO,
-                    finish: FinishReason::Cancelled,
-                });
+                cancelled = true;
+                break;
             }
         }
         let prefill_time = t0.elapsed();
@@ -222,6 +216,9 @@ impl Pipeline {
         let mut decode_steps = 0;
         let mut stop_string_hit = false;
         let finish = loop {
+            if cancelled {
+                break FinishReason::Cancelled;
+            }
             if generated.len() >= params.max_tokens {
                 break FinishReason::Length;
             }
