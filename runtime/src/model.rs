@@ -149,19 +149,13 @@ pub(crate) trait Runner: Send {
 }
 
 impl<B: Backend> Model<B> {
-    /// Rejects a forward call the model cannot run (no tokens, past the context, bad top-k, token ids outside
-    /// the vocabulary); returns the experts per token to use.
-    fn check(&self, tokens: &[u32], len: usize, opts: &ForwardOptions) -> Result<usize> {
+    /// Rejects a forward call the model cannot run (no tokens, bad top-k, token ids outside the vocabulary);
+    /// returns the experts per token to use. (The context is checked by [`DecoderModel::forward_batch`],
+    /// against the memory plan's limit, which is at most the model's own.)
+    fn check(&self, tokens: &[u32], opts: &ForwardOptions) -> Result<usize> {
         let info = &self.info;
         if tokens.is_empty() {
             return Err(ModelError::InvalidArgument("forward called with no tokens".into()));
-        }
-        if len + tokens.len() > info.context_length {
-            return Err(ModelError::Limit(format!(
-                "{} tokens exceed the model's context limit of {}",
-                len + tokens.len(),
-                info.context_length
-            )));
         }
         let k = opts.top_k.unwrap_or(info.default_top_k);
         if info.num_experts > 0 {
@@ -374,7 +368,7 @@ impl<B: Backend> Runner for Model<B> {
                 .downcast_mut::<Sequence<B>>()
                 .filter(|s| s.model_id == self.id)
                 .ok_or_else(|| ModelError::InvalidArgument("this cache was made by another model".into()))?;
-            let k = self.check(r.tokens, seq.positions(), &r.opts)?;
+            let k = self.check(r.tokens, &r.opts)?;
             let start = ids.len();
             ids.extend_from_slice(r.tokens);
             spans.push(SeqSpan {
