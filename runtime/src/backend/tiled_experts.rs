@@ -70,6 +70,20 @@ pub fn tiled_formats(
     Some(ExpertLayout { formats, fused: false })
 }
 
+/// Where the matrices of a record in the `tiled` layout lie: gate, up and down one after the other from the
+/// slot's start, `(offset, bytes)` each. Every tiled length is a multiple of 64 bytes, so each stays aligned
+/// for the kernels' loads.
+pub fn tiled_parts(tiled: &ExpertLayout, inter: usize, hidden: usize) -> Vec<(usize, usize)> {
+    let mut at = 0;
+    (tiled.matrices(inter, hidden).iter())
+        .map(|&(f, (rows, cols))| {
+            let len = f.part_bytes(rows, cols)[0];
+            at += len;
+            (at - len, len)
+        })
+        .collect()
+}
+
 impl TiledExperts {
     /// For `(layer, stored layout, intermediate size, hidden size)` of each MoE layer, with the kernels of
     /// `isa`, in panels of `panel`; layers that cannot be tiled, or whose stored layout `isa`'s row-major kernel
@@ -137,17 +151,7 @@ impl TiledExperts {
 impl RecordTransform for TiledExperts {
     fn parts(&self, layer: usize, read: &[(usize, usize)]) -> Option<Vec<(usize, usize)>> {
         let l = self.layers.get(&layer)?;
-        // Gate, up and down one after the other from the slot's start; every tiled length is a multiple of
-        // 64 bytes, so each stays aligned for the kernels' loads.
-        let mut at = 0;
-        let parts = (l.tiled.matrices(l.inter, l.hidden).iter())
-            .map(|&(f, (rows, cols))| {
-                let len = f.part_bytes(rows, cols)[0];
-                at += len;
-                (at - len, len)
-            })
-            .collect();
-        (read.len() == l.stored.record_parts()).then_some(parts)
+        (read.len() == l.stored.record_parts()).then(|| tiled_parts(&l.tiled, l.inter, l.hidden))
     }
 
     fn apply(

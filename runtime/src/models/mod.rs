@@ -13,7 +13,7 @@ use expert_store::{ExpertSource, PackedStore, StackedExperts};
 use crate::attention::{Attention, AttnSpec};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::reference::ReferenceBackend;
-use crate::backend::tiled_experts::{stored_panel, tiled_formats, TiledExperts};
+use crate::backend::tiled_experts::{stored_panel, tiled_formats, tiled_parts, TiledExperts};
 use crate::backend::Backend;
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
@@ -205,15 +205,10 @@ fn store_layouts(
                         what()
                     ))
                 })?;
-            // Gate, up and down one after another from the record's start, as the tiling writes them: an offset
-            // edited in the manifest would read one matrix as another while the checksums still matched.
-            let mut at = 0;
-            let want: Vec<(u64, u64)> = (tiled.matrices(inter, arch.dims.hidden).iter())
-                .map(|&(f, (rows, cols))| {
-                    let len = f.part_bytes(rows, cols)[0] as u64;
-                    at += len;
-                    (at - len, len)
-                })
+            // Where the tiling puts gate, up and down: an offset edited in the manifest would read one matrix as
+            // another while the checksums still matched.
+            let want: Vec<(u64, u64)> = (tiled_parts(&tiled, inter, arch.dims.hidden).into_iter())
+                .map(|(at, len)| (at as u64, len as u64))
                 .collect();
             let got: Vec<(u64, u64)> = m.stored_parts.iter().flatten().copied().collect();
             if got != want {
