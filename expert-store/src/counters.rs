@@ -28,7 +28,8 @@ impl Histogram {
         self.sum_ns.fetch_add(d.as_nanos() as u64, Relaxed);
     }
 
-    fn snapshot(&self) -> HistogramSnapshot {
+    /// Its counts and sum now.
+    pub fn snapshot(&self) -> HistogramSnapshot {
         HistogramSnapshot {
             counts: self.buckets.iter().map(|b| b.load(Relaxed)).collect(),
             sum_seconds: self.sum_ns.load(Relaxed) as f64 * 1e-9,

@@ -350,7 +350,7 @@ impl Collector for ReadLatency {
     }
 
     fn collect(&self) -> Vec<MetricFamily> {
-        let snap = self.source.snapshot().read_latency;
+        let snap = self.source.read_latency.snapshot();
         let mut cumulative = 0;
         let buckets = (LATENCY_BOUNDS.iter().zip(&snap.counts))
             .map(|(&bound, &n)| {
