@@ -21,8 +21,29 @@ pub struct ModelConfig {
     pub model_type: String,
 }
 
-/// More decoder layers than any model has (the largest today have under 200); a config saying more is corrupt.
-pub const MAX_LAYERS: u64 = 1 << 16;
+/// Each size field's most, far above any model's (the largest today: 16,384 wide, 128 heads of up to 512, a
+/// 262k vocabulary, 512 experts, under 200 layers); a config saying more is corrupt. They are checked before
+/// any architecture builds a table from them: a corrupt size would be an allocation too large to make, which
+/// aborts the process instead of failing the load, or a product of sizes that overflows.
+const SIZE_LIMITS: &[(&str, u64)] = &[
+    ("num_hidden_layers", 1 << 16),
+    ("hidden_size", 1 << 18),
+    ("intermediate_size", 1 << 20),
+    ("moe_intermediate_size", 1 << 20),
+    ("shared_expert_intermediate_size", 1 << 20),
+    ("num_attention_heads", 1 << 12),
+    ("num_key_value_heads", 1 << 12),
+    ("head_dim", 1 << 12),
+    ("vocab_size", 1 << 22),
+    ("num_experts", 1 << 16),
+    ("num_local_experts", 1 << 16),
+    ("num_experts_per_tok", 1 << 16),
+    ("linear_num_key_heads", 1 << 12),
+    ("linear_num_value_heads", 1 << 12),
+    ("linear_key_head_dim", 1 << 12),
+    ("linear_value_head_dim", 1 << 12),
+    ("linear_conv_kernel_dim", 1 << 10),
+];
 
 impl ModelConfig {
     /// Reads `dir/config.json`.
@@ -66,14 +87,10 @@ impl ModelConfig {
             .or_else(|| root.get("model_type").and_then(Value::as_str))
             .ok_or_else(|| bad("missing `model_type`".into()))?
             .to_string();
-        // Checked before any architecture builds a list per layer: a corrupt count would be one allocation too
-        // large to make, which aborts the process instead of failing the load.
-        if let Some(n) = text
-            .get("num_hidden_layers")
-            .and_then(Value::as_u64)
-            .filter(|&n| n > MAX_LAYERS)
-        {
-            return Err(bad(format!("num_hidden_layers {n} is more than {MAX_LAYERS}")));
+        for &(field, most) in SIZE_LIMITS {
+            if let Some(n) = text.get(field).and_then(Value::as_u64).filter(|&n| n > most) {
+                return Err(bad(format!("{field} {n} is more than {most}")));
+            }
         }
         let quant_block = root.get("quantization").or_else(|| root.get("quantization_config"));
         let quant = QuantConfig::parse(quant_block).map_err(bad)?;
@@ -91,6 +108,14 @@ impl ModelConfig {
             path: self.path.clone(),
             message: e.to_string(),
         })
+    }
+
+    /// Refuses a config without each of `fields` (those an architecture has no default for).
+    pub fn require(&self, fields: &[&str]) -> Result<()> {
+        match fields.iter().find(|f| self.text.get(**f).is_none()) {
+            Some(field) => Err(self.error(format!("missing field `{field}`"))),
+            None => Ok(()),
+        }
     }
 
     /// A config error naming this file.
@@ -278,5 +303,28 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("num_hidden_layers 100000000000"), "{e}");
+    }
+
+    #[test]
+    fn a_size_past_any_model_is_refused_before_anything_is_built_from_it() {
+        for &(field, most) in SIZE_LIMITS {
+            for nested in [false, true] {
+                let fields = format!(r#""model_type":"qwen3_moe","{field}":{}"#, most + 1);
+                let text = if nested {
+                    format!(r#"{{"model_type":"qwen3_vl_moe","text_config":{{{fields}}}}}"#)
+                } else {
+                    format!("{{{fields}}}")
+                };
+                let e = ModelConfig::parse(Path::new("/m/config.json"), &text)
+                    .unwrap_err()
+                    .to_string();
+                assert!(e.contains(&format!("{field} {}", most + 1)), "{e}");
+                let at_most = text.replace(&(most + 1).to_string(), &most.to_string());
+                assert!(
+                    ModelConfig::parse(Path::new("/m/config.json"), &at_most).is_ok(),
+                    "{field}"
+                );
+            }
+        }
     }
 }

@@ -64,7 +64,6 @@ pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &Expe
     let weights = Weights::open(loc.model_dir(), config)?;
     let arch = describe(&weights)?;
     let num_experts = arch.num_experts();
-    arch.dims.validate(weights.config(), num_experts.unwrap_or(0))?;
     // Expert layouts of every MoE layer first: one expert source serves them all.
     let (layouts, stacks) = arch.expert_layouts(&weights)?;
     let store = match loc {
@@ -249,21 +248,29 @@ fn describer(config: &ModelConfig) -> Result<Describe> {
 
 /// What a `config.json` alone says the model's layers are (for sizing a model before it is downloaded).
 pub(crate) fn describe_config(config: &ModelConfig) -> Result<Architecture> {
-    let arch = describer(config)?(config, None)?;
+    described(config, None)
+}
+
+/// The architecture's description of `config` (and of the tensors' shapes, when given), its sizes checked.
+fn described(config: &ModelConfig, tensors: Option<&Weights>) -> Result<Architecture> {
+    let arch = describer(config)?(config, tensors)?;
     arch.dims.validate(config, arch.num_experts().unwrap_or(0))?;
     Ok(arch)
 }
 
-/// What the checkpoint's `model_type` says its layers are, checked against its tensors' names.
+/// What the checkpoint's `model_type` says its layers are, its sizes checked, and checked against its tensors'
+/// names.
 pub(crate) fn describe(w: &Weights) -> Result<Architecture> {
-    let describe = describer(w.config())?;
-    if w.checkpoint().names().any(|n| n.contains(".experts.0.")) {
+    // The multi-token-prediction head (`mtp.*`, which nothing here reads) keeps its experts one by one even in
+    // checkpoints whose decoder stacks them (Hugging Face's Qwen3.5 and Qwen3-Next).
+    let read = |n: &&str| !(n.starts_with("mtp.") || n.contains(".mtp."));
+    if w.checkpoint().names().filter(read).any(|n| n.contains(".experts.0.")) {
         return Err(ModelError::BadTensor {
             name: "*.experts.0.*".into(),
             message: "per-expert (Hugging Face) layout is not supported yet; convert with `mlx_lm.convert`".into(),
         });
     }
-    describe(w.config(), Some(w))
+    described(w.config(), Some(w))
 }
 
 /// A decoder described from its config: the shapes shared by every layer, and each layer's FFN.

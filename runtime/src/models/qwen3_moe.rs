@@ -71,10 +71,8 @@ impl Qwen3MoeConfig {
 pub fn describe(config: &ModelConfig, _tensors: Option<&Weights>) -> Result<Architecture> {
     let c: Qwen3MoeConfig = config.typed()?;
     // Dense `qwen3` has no experts; a `qwen3_moe` config must say how many it has.
-    for field in ["num_experts", "num_experts_per_tok", "moe_intermediate_size"] {
-        if config.model_type == "qwen3_moe" && config.text.get(field).is_none() {
-            return Err(config.error(format!("missing field `{field}`")));
-        }
+    if config.model_type == "qwen3_moe" {
+        config.require(&["num_experts", "num_experts_per_tok", "moe_intermediate_size"])?;
     }
     let attn = AttnShape::from_config(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim);
     let dims = DecoderDims {

@@ -113,6 +113,16 @@ impl Qwen3NextConfig {
 /// Describes a `qwen3_next` or `qwen3_5_moe` checkpoint from its config (and its tensors' shapes, when loading).
 pub fn describe(config: &ModelConfig, tensors: Option<&Weights>) -> Result<Architecture> {
     let c: Qwen3NextConfig = config.typed()?;
+    // The MoE kinds always have a shared expert beside the routed ones, as in Hugging Face's and mlx-lm's
+    // blocks: without its size it would be dropped, and the model would load and answer wrong.
+    if config.model_type == "qwen3_next" || config.model_type.starts_with("qwen3_5_moe") {
+        config.require(&[
+            "num_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+        ])?;
+    }
     if let Some(t) = &c.layer_types {
         if t.len() != c.num_hidden_layers || t.iter().any(|k| k != "linear_attention" && k != "full_attention") {
             return Err(config.error(format!(
