@@ -70,6 +70,18 @@ impl Default for GenerateParams {
     }
 }
 
+/// What [`Pipeline::generate_tokens`] reports as it goes; its callback returns `false` to stop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress<'a> {
+    /// A chunk of the prompt was read and more follow (no token yet).
+    Prefill,
+    /// A token was generated: the text it completes, empty while a character or a possible stop string is
+    /// held back.
+    Token(&'a str),
+    /// Text held back until the end, after the last token.
+    Tail(&'a str),
+}
+
 /// Why generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
@@ -165,13 +177,17 @@ impl Pipeline {
         &self,
         prompt: &Prompt,
         params: &GenerateParams,
-        on_text: impl FnMut(&str) -> bool,
+        mut on_text: impl FnMut(&str) -> bool,
     ) -> Result<GenerationStats> {
         let ids = self.tokenize(prompt)?;
-        self.generate_tokens(&ids, prompt.is_chat(), params, on_text)
+        self.generate_tokens(&ids, prompt.is_chat(), params, |p| match p {
+            Progress::Prefill => on_text(""),
+            Progress::Token(t) | Progress::Tail(t) => on_text(t),
+        })
     }
 
-    /// [`Pipeline::generate`] from a tokenized prompt; `chat` says it came from messages. A text prompt's
+    /// [`Pipeline::generate`] from a tokenized prompt, reporting each [`Progress`]; `chat` says it came from
+    /// messages. A text prompt's
     /// continuation is decoded after the prompt's last tokens, so that prompt + completion is the text the
     /// tokens spell: tokenizers that strip the first token's leading space (SentencePiece's `▁`, Mixtral's)
     /// would otherwise turn " fox" into "fox". A chat reply starts on its own, as HF and mlx-lm decode it.
@@ -180,7 +196,7 @@ impl Pipeline {
         ids: &[u32],
         chat: bool,
         params: &GenerateParams,
-        mut on_text: impl FnMut(&str) -> bool,
+        mut on_progress: impl FnMut(Progress<'_>) -> bool,
     ) -> Result<GenerationStats> {
         self.check_prompt(ids, params)?;
         let mut sampler = Sampler::new(params.sampling.clone())?;
@@ -197,8 +213,8 @@ impl Pipeline {
         while let Some(c) = chunks.next() {
             logits = self.model.forward(c, &mut cache, &opts)?;
             // Between a long prompt's chunks the receiver may cancel too (an agent's 30k-token prompt can take
-            // minutes): asked with no text.
-            if chunks.peek().is_some() && !on_text("") {
+            // minutes).
+            if chunks.peek().is_some() && !on_progress(Progress::Prefill) {
                 cancelled = true;
                 break;
             }
@@ -229,7 +245,7 @@ impl Pipeline {
             }
             let (text, hit) = stops.push(&decoder.push(&self.codec, next)?);
             // Called for every token, even when its text is held back, so a receiver can cancel promptly.
-            if !on_text(&text) {
+            if !on_progress(Progress::Token(&text)) {
                 break FinishReason::Cancelled;
             }
             if hit {
@@ -253,7 +269,7 @@ impl Pipeline {
                 rest.push_str(&stops.finish());
             }
             if !rest.is_empty() {
-                on_text(&rest);
+                on_progress(Progress::Tail(&rest));
             }
         }
         Ok(GenerationStats {

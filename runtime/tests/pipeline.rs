@@ -2,7 +2,9 @@
 
 use std::path::{Path, PathBuf};
 
-use sluice_runtime::{ChatMessage, ExpertOptions, FinishReason, GenerateParams, ModelError, Pipeline, Prompt};
+use sluice_runtime::{
+    ChatMessage, ExpertOptions, FinishReason, GenerateParams, ModelError, Pipeline, Progress, Prompt,
+};
 
 #[derive(serde::Deserialize)]
 struct Golden {
@@ -106,12 +108,7 @@ fn chunked_prefill_gives_the_same_tokens() {
 
 /// A copy of `name` with its config.json edited by `edit`, loaded; returns the error text.
 fn load_error_with(name: &str, edit: impl Fn(&mut serde_json::Value), drop_tensor: Option<&str>) -> String {
-    let tmp = tempfile::tempdir().unwrap();
-    let src = fixture(name);
-    for e in std::fs::read_dir(&src).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), tmp.path().join(e.file_name())).unwrap();
-    }
+    let tmp = copy_of(&fixture(name));
     let path = tmp.path().join("config.json");
     let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     edit(&mut c);
@@ -131,6 +128,28 @@ fn load_error_with(name: &str, edit: impl Fn(&mut serde_json::Value), drop_tenso
         Ok(_) => panic!("{name}: loaded despite the damage"),
         Err(e) => e.to_string(),
     }
+}
+
+/// A corrupt size is refused before anything is sized from it (it used to overflow a product, or abort on an
+/// allocation too large to make); a hybrid model's shared expert cannot be dropped for want of its size.
+#[test]
+fn corrupt_or_missing_sizes_are_clear_errors() {
+    for (field, value) in [
+        ("vocab_size", 1u64 << 62),
+        ("head_dim", 1 << 62),
+        ("hidden_size", 1 << 40),
+    ] {
+        let e = load_error_with("qwen3_moe-q4g64", |c| c[field] = value.into(), None);
+        assert!(e.contains(&format!("{field} {value} is more than")), "{e}");
+    }
+    let e = load_error_with(
+        "qwen3_next-q4g64",
+        |c| {
+            c.as_object_mut().unwrap().remove("shared_expert_intermediate_size");
+        },
+        None,
+    );
+    assert!(e.contains("missing field `shared_expert_intermediate_size`"), "{e}");
 }
 
 #[test]
@@ -164,17 +183,50 @@ fn broken_hybrid_checkpoints_are_clear_errors() {
     assert!(e.contains("layers.1.linear_attn.conv1d.weight"), "{e}");
 }
 
-#[test]
-fn linear_biases_in_the_checkpoint_are_applied() {
-    // Add `lm_head.bias` (one-hot 5.0 at token 7) as an extra shard: that logit moves by 5, no other does.
-    let src = fixture("qwen3_moe-q4g64");
+/// A copy of a one-file fixture without its shard index, so that every `*.safetensors` added is read.
+fn copy_of(src: &std::path::Path) -> tempfile::TempDir {
     let d = tempfile::tempdir().unwrap();
-    for e in std::fs::read_dir(&src).unwrap() {
+    for e in std::fs::read_dir(src).unwrap() {
         let e = e.unwrap();
         if e.file_name() != "model.safetensors.index.json" {
             std::fs::copy(e.path(), d.path().join(e.file_name())).unwrap();
         }
     }
+    d
+}
+
+/// Hugging Face's Qwen3.5 keeps its multi-token-prediction head's experts one by one beside a decoder whose
+/// experts are stacked: the head is not read, so it must not make the checkpoint look unsupported.
+#[test]
+fn a_per_expert_mtp_head_beside_stacked_experts_loads() {
+    let src = fixture("qwen3_5_moe-hf-bf16");
+    let d = copy_of(&src);
+    let bytes = vec![0u8; 2 * 4 * 2];
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, vec![2, 4], &bytes).unwrap();
+    let name = "mtp.layers.0.mlp.experts.0.gate_proj.weight";
+    safetensors::serialize_to_file([(name, view.clone())], None, &d.path().join("mtp.safetensors")).unwrap();
+    let g = golden(&src);
+    let opts = sluice_runtime::ForwardOptions::default();
+    let base = sluice_runtime::load_model(&src).unwrap();
+    let want = base.forward(&g.prompt_ids, &mut base.new_cache(), &opts).unwrap();
+    let with_mtp = sluice_runtime::load_model(d.path()).unwrap();
+    let got = with_mtp
+        .forward(&g.prompt_ids, &mut with_mtp.new_cache(), &opts)
+        .unwrap();
+    assert_eq!(got, want);
+    // The same name in the decoder is still a per-expert layout, and refused.
+    let d = copy_of(&src);
+    let name = "model.language_model.layers.0.mlp.experts.0.gate_proj.weight";
+    safetensors::serialize_to_file([(name, view)], None, &d.path().join("extra.safetensors")).unwrap();
+    let e = sluice_runtime::load_model(d.path()).err().unwrap().to_string();
+    assert!(e.contains("per-expert"), "{e}");
+}
+
+#[test]
+fn linear_biases_in_the_checkpoint_are_applied() {
+    // Add `lm_head.bias` (one-hot 5.0 at token 7) as an extra shard: that logit moves by 5, no other does.
+    let src = fixture("qwen3_moe-q4g64");
+    let d = copy_of(&src);
     let vocab = 384;
     let mut bias = vec![0f32; vocab];
     bias[7] = 5.0;
@@ -302,9 +354,9 @@ fn cancellation_stops_a_prefill_between_its_chunks() {
                 prefill_chunk: Some(8),
                 ..Default::default()
             },
-            |text| {
+            |progress| {
                 calls += 1;
-                assert_eq!(text, "", "no text before the prompt is read");
+                assert_eq!(progress, Progress::Prefill, "no token before the prompt is read");
                 false
             },
         )

@@ -724,6 +724,11 @@ impl Reply {
         };
         json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [choice]})
     }
+
+    /// A stream's event carrying `text`.
+    fn text_event(&self, text: &str) -> SseEvent {
+        SseEvent::default().data(self.chunk(Some(text), None).to_string())
+    }
 }
 
 async fn whole_reply(r: Reply, mut rx: mpsc::UnboundedReceiver<Event>) -> Result<Response, ApiError> {
@@ -735,6 +740,7 @@ async fn whole_reply(r: Reply, mut rx: mpsc::UnboundedReceiver<Event>) -> Result
                 tick(&r, &mut last);
                 text.push_str(&t);
             }
+            Some(Event::Tail(t)) => text.push_str(&t),
             Some(Event::Done(stats)) => {
                 let fr = finish_reason(stats.finish);
                 let choice = if r.chat {
@@ -789,11 +795,14 @@ fn stream_reply(r: Reply, rx: mpsc::UnboundedReceiver<Event>) -> Sse<impl Stream
                 match rx.recv().await {
                     Some(Event::Text(t)) => {
                         tick(&r, &mut last);
-                        if t.is_empty() {
-                            continue;
+                        if !t.is_empty() {
+                            return Some((vec![r.text_event(&t)], (r, rx, last, false)));
                         }
-                        let ev = SseEvent::default().data(r.chunk(Some(&t), None).to_string());
-                        return Some((vec![ev], (r, rx, last, false)));
+                    }
+                    Some(Event::Tail(t)) => {
+                        if !t.is_empty() {
+                            return Some((vec![r.text_event(&t)], (r, rx, last, false)));
+                        }
                     }
                     Some(Event::Done(stats)) => {
                         let mut evs = vec![

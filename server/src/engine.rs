@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
-use sluice_runtime::{GenerateParams, GenerationStats, ModelError, Pipeline, Prompt};
+use sluice_runtime::{GenerateParams, GenerationStats, ModelError, Pipeline, Progress, Prompt};
 use tokio::sync::mpsc;
 
 use crate::metrics::Metrics;
@@ -30,8 +30,10 @@ pub enum Event {
         /// Tokens in the prompt.
         prompt_tokens: usize,
     },
-    /// Newly completed text of one token (may be empty while text is held back).
+    /// A generated token's newly completed text (may be empty while text is held back).
     Text(String),
+    /// Text held back until the last token, sent after it.
+    Tail(String),
     /// Finished normally.
     Done(GenerationStats),
     /// Failed.
@@ -220,9 +222,11 @@ fn run(p: Pipeline, queue: &Queue, running: Arc<AtomicUsize>, m: Arc<Metrics>) {
                     prompt_tokens: ids.len(),
                 });
                 let chat = job.prompt.is_chat();
-                p.generate_tokens(&ids, chat, &job.params, |text| {
-                    // The receiver is dropped when the client disconnects: stop at this token.
-                    events.send(Event::Text(text.to_string())).is_ok()
+                // The receiver is dropped when the client disconnects: stop at this token or prompt chunk.
+                p.generate_tokens(&ids, chat, &job.params, |progress| match progress {
+                    Progress::Prefill => !events.is_closed(),
+                    Progress::Token(text) => events.send(Event::Text(text.to_string())).is_ok(),
+                    Progress::Tail(text) => events.send(Event::Tail(text.to_string())).is_ok(),
                 })
             }
             Err(e) => Err(e),
@@ -292,6 +296,35 @@ mod tests {
         // An engine that is gone takes no more jobs.
         drop(Stopped(Arc::clone(&q)));
         assert!(matches!(q.push(job("d").0), Err(SubmitError::Stopped)));
+    }
+
+    /// A long prompt's chunks are not tokens: the client hears of each generated token once (so the first token's
+    /// time is that of the first token, not of the prompt's first chunk), and nothing before.
+    #[test]
+    fn a_long_prompt_sends_one_event_per_generated_token() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/qwen3_moe-q4g64");
+        let pipeline = Pipeline::load(&dir).unwrap();
+        let engine = EngineHandle::start(pipeline, 1, Some(1), Metrics::new(4, None, 0));
+        let (mut job, mut rx) = job("");
+        job.prompt = Prompt::Tokens((1..=40).collect());
+        job.params.max_tokens = 3;
+        job.params.prefill_chunk = Some(8);
+        assert!(engine.submit(job).is_ok());
+        let (mut tokens, mut started) = (0, false);
+        let stats = loop {
+            match rx.blocking_recv().expect("the engine ended the job") {
+                Event::Started { prompt_tokens } => {
+                    assert_eq!(prompt_tokens, 40);
+                    started = true;
+                }
+                Event::Text(_) => tokens += 1,
+                Event::Tail(_) => {}
+                Event::Done(stats) => break stats,
+                Event::Failed(e) => panic!("{e}"),
+            }
+        };
+        assert!(started);
+        assert_eq!((tokens, stats.generated_tokens), (3, 3));
     }
 
     #[test]
