@@ -64,8 +64,17 @@ impl SamplingParams {
                 self.repetition_penalty
             ));
         }
-        if !(-2.0..=2.0).contains(&self.frequency_penalty) || !(-2.0..=2.0).contains(&self.presence_penalty) {
-            return bad("frequency_penalty and presence_penalty must be in [-2, 2]".into());
+        if !(-2.0..=2.0).contains(&self.frequency_penalty) {
+            return bad(format!(
+                "frequency_penalty must be in [-2, 2], got {}",
+                self.frequency_penalty
+            ));
+        }
+        if !(-2.0..=2.0).contains(&self.presence_penalty) {
+            return bad(format!(
+                "presence_penalty must be in [-2, 2], got {}",
+                self.presence_penalty
+            ));
         }
         Ok(())
     }
@@ -301,15 +310,15 @@ fn sum(w: &[f32]) -> f64 {
 /// Weight floors tried in turn by [`support`]; the last, 0, takes every token.
 const THRESHOLDS: [f32; 8] = [1e-1, 1e-2, 1e-3, 1e-4, 1e-6, 1e-9, 1e-15, 0.0];
 
-/// Index of the largest value (first on ties).
+/// Index of the largest value (first on ties; NaN never wins unless all are NaN).
 pub fn argmax(x: &[f32]) -> u32 {
-    let mut best = 0;
+    let mut best: Option<usize> = None;
     for (i, v) in x.iter().enumerate() {
-        if *v > x[best] {
-            best = i;
+        if best.is_none_or(|b| *v > x[b]) && !v.is_nan() {
+            best = Some(i);
         }
     }
-    best as u32
+    best.unwrap_or(0) as u32
 }
 
 #[cfg(test)]
@@ -334,6 +343,38 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(sampler(p).sample(&logits, &[], &[1]), 2);
+    }
+
+    #[test]
+    fn greedy_never_picks_a_nan() {
+        let greedy = |l: &[f32]| sampler(SamplingParams::default()).sample(l, &[], &[]);
+        assert_eq!(greedy(&[f32::NAN, 0.0, 1.0]), 2);
+        assert_eq!(greedy(&[1.0, f32::NAN, 3.0, 3.0]), 2);
+        assert_eq!(greedy(&[f32::NAN, f32::NEG_INFINITY]), 1);
+        assert_eq!(greedy(&[f32::NAN, f32::NAN]), 0);
+    }
+
+    #[test]
+    fn a_bad_penalty_is_named() {
+        for (p, field) in [
+            (
+                SamplingParams {
+                    presence_penalty: 3.0,
+                    ..Default::default()
+                },
+                "presence_penalty",
+            ),
+            (
+                SamplingParams {
+                    frequency_penalty: -3.0,
+                    ..Default::default()
+                },
+                "frequency_penalty",
+            ),
+        ] {
+            let e = p.validate().unwrap_err().to_string();
+            assert!(e.contains(&format!("{field} must be in [-2, 2]")), "{e}");
+        }
     }
 
     #[test]

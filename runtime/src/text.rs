@@ -169,26 +169,7 @@ impl TextCodec {
             Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
         });
         env.add_function("strftime_now", |fmt: String| -> String { strftime_now(&fmt) });
-        // HF's tojson does not HTML-escape (minijinja's does); tool schemas rely on that.
-        env.add_filter(
-            "tojson",
-            |v: JValue, indent: Option<usize>| -> Result<String, JinjaError> {
-                let j: Value = serde_json::to_value(&v)
-                    .map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, e.to_string()))?;
-                Ok(match indent {
-                    Some(n) => {
-                        let mut buf = Vec::new();
-                        let ind = vec![b' '; n];
-                        let fmt = serde_json::ser::PrettyFormatter::with_indent(&ind);
-                        let mut ser = serde_json::Serializer::with_formatter(&mut buf, fmt);
-                        j.serialize(&mut ser)
-                            .map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, e.to_string()))?;
-                        String::from_utf8_lossy(&buf).into_owned()
-                    }
-                    None => j.to_string(),
-                })
-            },
-        );
+        env.add_filter("tojson", tojson);
         env.add_template("chat", template)
             .map_err(|e| ModelError::Tokenizer(format!("chat template: {e}")))?;
         let own = minijinja::context! {
@@ -205,6 +186,50 @@ impl TextCodec {
 }
 
 /// The current UTC time formatted with the few strftime codes chat templates use.
+/// The `tojson` filter as Hugging Face's templates get it: Python's `json.dumps` (`", "` and `": "` between
+/// items, or `indent` spaces a level; non-ASCII and `<>&` written as they are, where minijinja's own escapes
+/// them for HTML). `indent` may be given by position or by name.
+fn tojson(v: JValue, indent: Option<usize>, kwargs: minijinja::value::Kwargs) -> Result<String, JinjaError> {
+    let indent = match kwargs.get::<Option<usize>>("indent")? {
+        Some(n) => Some(n),
+        None => indent,
+    };
+    kwargs.assert_all_used()?;
+    let j: Value = serde_json::to_value(&v).map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    let mut buf = Vec::new();
+    let written = match indent {
+        Some(n) => {
+            let spaces = vec![b' '; n];
+            j.serialize(&mut serde_json::Serializer::with_formatter(
+                &mut buf,
+                serde_json::ser::PrettyFormatter::with_indent(&spaces),
+            ))
+        }
+        None => j.serialize(&mut serde_json::Serializer::with_formatter(&mut buf, PythonJson)),
+    };
+    written.map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    String::from_utf8(buf).map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, e.to_string()))
+}
+
+/// `json.dumps`'s default separators.
+struct PythonJson;
+
+impl serde_json::ser::Formatter for PythonJson {
+    fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            w.write_all(b", ")
+        }
+    }
+    fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+        self.begin_array_value(w, first)
+    }
+    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        w.write_all(b": ")
+    }
+}
+
 fn strftime_now(fmt: &str) -> String {
     let secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -243,6 +268,9 @@ fn strftime_now(fmt: &str) -> String {
         .replace("%b", &month[..3])
 }
 
+/// Tokens a character can span (UTF-8's longest, one byte a token).
+const MAX_CHAR_TOKENS: usize = 4;
+
 /// Turns a growing token sequence into text chunks that never split a UTF-8 character.
 ///
 /// It decodes a short window of recent tokens twice (with and without the newest) and emits the difference
@@ -276,7 +304,10 @@ impl StreamDecoder {
         self.ids.push(id);
         let before = codec.decode(&self.ids[self.prefix..self.read])?;
         let now = codec.decode(&self.ids[self.prefix..])?;
-        if now.len() > before.len() && !now.ends_with('\u{FFFD}') {
+        // A character is at most 4 bytes and a token at least 1: a U+FFFD still there after 4 tokens is the
+        // text's own (or bytes that never form a character), not one in the making, and goes out.
+        let incomplete = now.ends_with('\u{FFFD}') && self.ids.len() - self.read < MAX_CHAR_TOKENS;
+        if now.len() > before.len() && !incomplete {
             let mut cut = before.len();
             while !now.is_char_boundary(cut) {
                 cut += 1;
@@ -388,19 +419,43 @@ mod tests {
     fn templates_can_raise_and_use_hf_helpers() {
         let t = "{{ bos_token }}{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}\
                  {{ raise_exception('roles must be user or assistant, got ' + m.role) }}{% endif %}\
-                 [{{ m.role | upper }}]{{ m.content.strip() }}{{ {'t': m.content} | tojson }}{% endfor %}\
-                 {% if add_generation_prompt %}[A]{% endif %}";
+                 [{{ m.role | upper }}]{{ m.content.strip() }}{{ {'t': [m.content, 1]} | tojson }}{% endfor %}\
+                 {{ [1] | tojson(indent=2) }}{{ [2] | tojson(2) }}{% if add_generation_prompt %}[A]{% endif %}";
         let (_d, c) = codec_with_template(Value::String(t.into()));
         assert_eq!(c.eos_ids(), &[2], "eos_token given as an object");
         let out = c
             .apply_chat_template(&[ChatMessage::new("user", " <a&b> ")], true)
             .unwrap();
-        assert_eq!(out, r#"<|endoftext|>[USER]<a&b>{"t":" <a&b> "}[A]"#);
+        // `tojson` writes what Python's `json.dumps` does.
+        assert_eq!(
+            out,
+            "<|endoftext|>[USER]<a&b>{\"t\": [\" <a&b> \", 1]}[\n  1\n][\n  2\n][A]"
+        );
         let e = c
             .apply_chat_template(&[ChatMessage::new("tool", "x")], true)
             .unwrap_err()
             .to_string();
         assert!(e.contains("roles must be user or assistant, got tool"), "{e}");
+    }
+
+    /// A model writing U+FFFD itself is not held back for good (every token re-decoded the growing window).
+    #[test]
+    fn replacement_characters_of_the_text_itself_flow() {
+        let d = tempfile::tempdir().unwrap();
+        let tok = serde_json::json!({"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": null, "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": {"a": 0, "\u{FFFD}": 1, "<unk>": 2}, "unk_token": "<unk>"}});
+        std::fs::write(d.path().join("tokenizer.json"), tok.to_string()).unwrap();
+        let c = TextCodec::load(d.path(), &[]).unwrap();
+        let ids: Vec<u32> = std::iter::once(0).chain([1; 100]).collect();
+        let (mut dec, mut out) = (StreamDecoder::new(), String::new());
+        for (i, &id) in ids.iter().enumerate() {
+            out.push_str(&dec.push(&c, id).unwrap());
+            assert!(dec.ids.len() - dec.read < MAX_CHAR_TOKENS, "token {i}: held back");
+        }
+        out.push_str(&dec.finish(&c).unwrap());
+        assert_eq!(out, c.decode(&ids).unwrap());
+        assert_eq!(out.matches('\u{FFFD}').count(), 100);
     }
 
     #[test]

@@ -433,10 +433,11 @@ impl Common {
             top_k,
             min_p: self.min_p.unwrap_or(0.0),
             repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            // Over the whole prompt and output, as vLLM and Hugging Face apply it (the window is the CLI's).
+            repeat_last_n: 0,
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
             presence_penalty: self.presence_penalty.unwrap_or(0.0),
             seed: self.seed()?,
-            ..SamplingParams::default()
         };
         sampling.validate().map_err(|e| {
             // The field the message starts with (its own words name it).
@@ -446,6 +447,7 @@ impl Common {
                 "min_p",
                 "repetition_penalty",
                 "frequency_penalty",
+                "presence_penalty",
             ];
             let param = match &e {
                 ModelError::InvalidArgument(m) => fields.into_iter().find(|f| m.starts_with(f)),
@@ -588,6 +590,13 @@ async fn chat_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiErr
     }
     let prompt = match body.chat_template_kwargs {
         None | Some(Value::Null) => Prompt::Chat(msgs),
+        // Tools reach a template through its variables too; they are refused there as at the top level.
+        Some(Value::Object(kwargs)) if kwargs.contains_key("tools") || kwargs.contains_key("documents") => {
+            return Err(ApiError::bad(
+                "tools and documents are not supported yet, in chat_template_kwargs as elsewhere",
+                Some("chat_template_kwargs"),
+            ))
+        }
         Some(Value::Object(kwargs)) => Prompt::ChatWith(msgs, kwargs),
         Some(_) => {
             return Err(ApiError::bad(
@@ -722,7 +731,13 @@ impl Reply {
         } else {
             "text_completion"
         };
-        json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [choice]})
+        let mut chunk =
+            json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [choice]});
+        // With `include_usage`, OpenAI's chunks before the last carry `"usage": null`; typed clients read it.
+        if self.include_usage {
+            chunk["usage"] = Value::Null;
+        }
+        chunk
     }
 
     /// A stream's event carrying `text`.

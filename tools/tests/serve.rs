@@ -200,6 +200,9 @@ fn endpoints_match_generate_streaming_and_not() {
         .collect();
     assert_eq!(text, want);
     assert_eq!(chunks.last().unwrap()["usage"], v["usage"]);
+    // The chunks before it say `"usage": null`, as OpenAI's do; without `include_usage`, none has the key.
+    let (before, _) = chunks.split_at(chunks.len() - 1);
+    assert!(before.iter().all(|c| c.get("usage") == Some(&Value::Null)), "{body}");
 
     let want = greedy(Prompt::Raw("The quick brown fox".into()), 10);
     let req = json!({"prompt": "The quick brown fox", "max_tokens": 10, "temperature": 0});
@@ -209,6 +212,7 @@ fn endpoints_match_generate_streaming_and_not() {
     let mut streamed = req.clone();
     streamed["stream"] = json!(true);
     let (_, body) = request(&s, "POST", "/v1/completions", &streamed.to_string());
+    assert!(sse(&body).iter().all(|c| c.get("usage").is_none()), "{body}");
     let text: String = sse(&body)
         .iter()
         .filter_map(|c| c["choices"][0]["text"].as_str())
@@ -447,6 +451,7 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
     for (body, param) in [
         (json!({"prompt": "x", "temperature": -1}), "temperature"),
         (json!({"prompt": "x", "top_p": 2}), "top_p"),
+        (json!({"prompt": "x", "presence_penalty": 3}), "presence_penalty"),
         (
             json!({"prompt": "x", "max_completion_tokens": 0}),
             "max_completion_tokens",
@@ -454,6 +459,15 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
         (json!({"prompt": "x", "reasoning_effort": "high"}), "reasoning_effort"),
     ] {
         let (st, v) = post(&s, "/v1/completions", &body);
+        assert_eq!((st, &v["error"]["param"]), (400, &json!(param)), "{v}");
+    }
+    let tools = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
+    for body in [
+        json!({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tools": tools}}),
+        json!({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"documents": []}}),
+    ] {
+        let (st, v) = post(&s, "/v1/chat/completions", &body);
+        let param = "chat_template_kwargs";
         assert_eq!((st, &v["error"]["param"]), (400, &json!(param)), "{v}");
     }
     for (path, body, status, msg) in cases {
