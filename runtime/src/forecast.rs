@@ -71,9 +71,15 @@ pub fn bytes_per_weight(spec: Option<QuantSpec>, float_bytes: usize) -> f64 {
     }
 }
 
-/// Sizes a model from its config, its KV cache at `kv_bytes` per element; `index_total` (the safetensors
-/// index's `metadata.total_size`) rescales the estimate to the exact total.
-pub fn size_from_config(config: &ModelConfig, index_total: Option<u64>, kv_bytes: u64) -> Result<ModelSize> {
+/// Sizes a model from its config, its KV cache at `kv_bytes` per element and its prefill activations at
+/// `top_k` experts per token (`None`: its own); `index_total` (the safetensors index's `metadata.total_size`)
+/// rescales the estimate to the exact total.
+pub fn size_from_config(
+    config: &ModelConfig,
+    index_total: Option<u64>,
+    kv_bytes: u64,
+    top_k: Option<usize>,
+) -> Result<ModelSize> {
     let arch = describe_config(config)?;
     let d = &arch.dims;
     let float_bytes = match config.text.get("torch_dtype").and_then(|v| v.as_str()) {
@@ -178,7 +184,7 @@ pub fn size_from_config(config: &ModelConfig, index_total: Option<u64>, kv_bytes
     }
     let expert_bytes = all_experts;
     let record = all_experts / (moe_layers * num_experts).max(1) as u64;
-    let mut footprint = crate::models::footprint(&arch, kv_bytes);
+    let mut footprint = crate::models::footprint(&arch, kv_bytes, top_k);
     footprint.resident_weights = resident;
     // Planned as the loader plans them: the slots every record would take.
     footprint.expert_bytes = crate::expert_source::slot_arena_bytes(records, longest);
@@ -458,7 +464,7 @@ mod tests {
                 continue;
             }
             let config = ModelConfig::load(&dir).unwrap();
-            let est = size_from_config(&config, None, 4).unwrap();
+            let est = size_from_config(&config, None, 4, None).unwrap();
             let w = Weights::open(&dir, config.clone()).unwrap();
             let total = w.checkpoint().total_bytes() as f64;
             let experts: f64 = w
@@ -481,7 +487,7 @@ mod tests {
                 );
             }
             // With the exact total, the sum is exact.
-            let exact = size_from_config(&config, Some(total as u64), 4).unwrap();
+            let exact = size_from_config(&config, Some(total as u64), 4, None).unwrap();
             let sum = (exact.resident_bytes + exact.expert_bytes) as f64;
             assert!((sum / total - 1.0).abs() < 1e-3, "{name}: {sum} vs {total}");
             checked += 1;
@@ -492,7 +498,7 @@ mod tests {
     #[test]
     fn forecast_is_slower_with_more_experts_and_fewer_hits() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/qwen3_moe-q4g64");
-        let s = size_from_config(&ModelConfig::load(&root).unwrap(), None, 4).unwrap();
+        let s = size_from_config(&ModelConfig::load(&root).unwrap(), None, 4, None).unwrap();
         let probes = MachineProbes {
             disk_gbps_by_depth: vec![(1, 0.5), (2, 1.0), (4, 2.0), (8, 2.0)],
             dram_gbps: 20.0,
@@ -580,7 +586,7 @@ mod tests {
     #[test]
     fn a_cold_start_is_never_forecast_faster_than_a_warm_one() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/qwen3_moe-q4g64");
-        let s = size_from_config(&ModelConfig::load(&root).unwrap(), None, 4).unwrap();
+        let s = size_from_config(&ModelConfig::load(&root).unwrap(), None, 4, None).unwrap();
         let machine = MachineMemory {
             total: 16 << 30,
             available: 8 << 30,

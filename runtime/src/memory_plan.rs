@@ -250,9 +250,11 @@ impl MemoryPlan {
         let room = room_for(prefill_chunk);
         let expert_cache = match placement {
             ExpertPlacement::Resident | ExpertPlacement::Mmap => model.expert_bytes,
+            // A cache asked for beyond every record holds every record (the engine makes no more slots).
             ExpertPlacement::Stream => req
                 .cache_bytes
-                .unwrap_or_else(|| room.max(MIN_DEFAULT_CACHE).min(model.expert_bytes.max(1))),
+                .unwrap_or_else(|| room.max(MIN_DEFAULT_CACHE))
+                .min(model.expert_bytes.max(1)),
         };
         let direct_io = match req.io {
             IoMode::Direct => true,
@@ -503,12 +505,21 @@ mod tests {
         let p = MemoryPlan::new(machine, small, &req);
         assert_eq!((p.placement, p.expert_cache), (ExpertPlacement::Stream, 3 * GIB));
         assert!(p.fits() && MemoryPlan::new(machine, small, &PlanRequest::default()).fits());
-        // A cache beyond the machine's room is kept as given, and the plan says it does not fit.
+        // A cache beyond the machine's room is kept as given, and the plan says it does not fit...
         let over = PlanRequest {
             cache_bytes: Some(64 * GIB),
             ..Default::default()
         };
-        assert!(!MemoryPlan::new(machine, small, &over).fits());
+        let big = ModelFootprint {
+            expert_bytes: 100 * GIB,
+            ..small
+        };
+        assert!(!MemoryPlan::new(machine, big, &over).fits());
+        assert_eq!(MemoryPlan::new(machine, big, &over).expert_cache, 64 * GIB);
+        // ... unless it is beyond every record too: it holds them all, no more (the engine makes no more slots).
+        let all = MemoryPlan::new(machine, small, &over);
+        assert!(all.fits(), "{all}");
+        assert_eq!((all.placement, all.expert_cache), (ExpertPlacement::Stream, 16 * GIB));
         // ... and leaves the page cache more room than the slots: it is the second tier, reads go through it.
         assert!(!p.direct_io);
         for (io, direct) in [(IoMode::Direct, true), (IoMode::Buffered, false)] {

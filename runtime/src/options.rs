@@ -88,6 +88,9 @@ pub struct ExpertOptions {
     pub prefill_chunk: Option<usize>,
     /// Element type of the `cpu` backend's KV caches (the other backends keep f32).
     pub kv_cache: KvType,
+    /// The most experts per token a forward will route to (`--top-k`; `None`: the model's own), which the
+    /// plan sizes a prefill pass's activations for.
+    pub top_k: Option<usize>,
     /// Rows of full-vocabulary logits held at once (`eval`: a window's reference, the head's output and its
     /// copy), which
     /// the plan budgets beside the pass; 0 for generation, which keeps one row.
@@ -158,6 +161,7 @@ impl Default for ExpertOptions {
             context: None,
             prefill_chunk: None,
             kv_cache: KvType::F32,
+            top_k: None,
             logit_rows: 0,
         }
     }
@@ -170,25 +174,39 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
     let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
     let unit = unit.trim().to_ascii_lowercase();
-    let mult: u64 = match unit.trim_end_matches("ib").trim_end_matches('b') {
-        "" => 1,
-        "k" => 1 << 10,
-        "m" => 1 << 20,
-        "g" => 1 << 30,
-        "t" => 1 << 40,
+    let prefix = unit
+        .strip_suffix("ib")
+        .or_else(|| unit.strip_suffix('b'))
+        .unwrap_or(&unit);
+    let mult: u64 = match (prefix, unit.as_str()) {
+        // Bytes alone: no `iB`.
+        ("", "" | "b") => 1,
+        ("k", _) => 1 << 10,
+        ("m", _) => 1 << 20,
+        ("g", _) => 1 << 30,
+        ("t", _) => 1 << 40,
         _ => {
             return Err(format!(
                 "`{s}`: unknown size unit (use K, M, G, T, optionally with B or iB)"
             ))
         }
     };
-    let v: f64 = num
-        .parse()
-        .map_err(|_| format!("`{s}` is not a size like 512M, 4GiB or 1048576"))?;
-    if !v.is_finite() || v < 0.0 || (unit.is_empty() && num.contains('.')) {
-        return Err(format!("`{s}` is not a valid size"));
-    }
-    Ok((v * mult as f64) as u64)
+    let not_a_size = || format!("`{s}` is not a size like 512M, 4GiB or 1048576");
+    let bytes = if num.contains('.') {
+        // A fraction of a unit (`1.5G`), never of a byte.
+        let v: f64 = num.parse().map_err(|_| not_a_size())?;
+        let bytes = v * mult as f64;
+        if mult == 1 || !bytes.is_finite() || bytes >= u64::MAX as f64 {
+            return Err(format!("`{s}` is not a valid size"));
+        }
+        bytes as u64
+    } else {
+        // Whole numbers exactly, and too large ones refused rather than saturated.
+        let v: u64 = num.parse().map_err(|_| not_a_size())?;
+        v.checked_mul(mult)
+            .ok_or_else(|| format!("`{s}` is more bytes than there are"))?
+    };
+    Ok(bytes)
 }
 
 #[cfg(test)]
@@ -203,7 +221,28 @@ mod tests {
         assert_eq!(parse_size("4GiB"), Ok(4 << 30));
         assert_eq!(parse_size("1.5g"), Ok(3 << 29));
         assert_eq!(parse_size(" 2 K "), Ok(2048));
-        for bad in ["", "M", "12Q", "-1M", "1.5", "abc"] {
+        assert_eq!(parse_size("7B"), Ok(7));
+        assert_eq!(
+            parse_size("9007199254740993"),
+            Ok(9_007_199_254_740_993),
+            "above 2^53, exactly"
+        );
+        for bad in [
+            "",
+            "M",
+            "12Q",
+            "-1M",
+            "1.5",
+            "abc",
+            "1.5B",
+            "1.5iB",
+            "4iB",
+            "4GiBiB",
+            "99999999999T",
+            "18446744073709551616",
+            "1e3",
+            ".",
+        ] {
             assert!(parse_size(bad).is_err(), "{bad}");
         }
     }

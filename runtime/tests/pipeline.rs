@@ -152,6 +152,27 @@ fn corrupt_or_missing_sizes_are_clear_errors() {
     assert!(e.contains("missing field `shared_expert_intermediate_size`"), "{e}");
 }
 
+/// A prompt token's routes hold their experts' inputs and outputs: the plan sizes them for the experts per
+/// token asked for (`--top-k`), up to all of them, not for the model's own.
+#[test]
+fn the_plan_sizes_a_pass_for_the_experts_per_token_asked_for() {
+    let dir = fixture("qwen3_moe-q4g64");
+    let per_token = |top_k| {
+        let opts = ExpertOptions {
+            top_k,
+            ..Default::default()
+        };
+        let p = Pipeline::load_with(&dir, &opts).unwrap();
+        p.model.memory_plan.model.activation_bytes_per_token
+    };
+    // hidden 128, expert width 64: a route holds 2 × 128 + 2 × 64 floats.
+    let route = (2 * 128 + 2 * 64) * 4;
+    let own = per_token(None);
+    assert_eq!(per_token(Some(3)), own, "3 is the model's own");
+    assert_eq!(per_token(Some(6)), own + 3 * route);
+    assert_eq!(per_token(Some(100)), own + 5 * route, "8 experts at most");
+}
+
 #[test]
 fn broken_hybrid_checkpoints_are_clear_errors() {
     let e = load_error_with(

@@ -295,6 +295,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
     }
     let mut opts = a.engine.options()?;
     opts.prefill_chunk = a.prefill.chunk()?;
+    opts.top_k = a.top_k;
     let started = Instant::now();
     let mut p = Pipeline::load_with(&a.model, &opts).with_context(|| format!("loading {}", a.model.display()))?;
     p.model.check_top_k(a.top_k)?;
@@ -516,7 +517,11 @@ fn resident_read_per_token(model: &Path, kv_bytes: u64) -> Option<u64> {
     let dir = sluice_runtime::model_dir(model).ok()?;
     let config = ModelConfig::load(&dir).ok()?;
     let total = crate::doctor::index_total_size(&dir.join("model.safetensors.index.json")).ok();
-    Some(size_from_config(&config, total, kv_bytes).ok()?.resident_read_per_token)
+    Some(
+        size_from_config(&config, total, kv_bytes, None)
+            .ok()?
+            .resident_read_per_token,
+    )
 }
 
 /// The routing trace as text: `layer expert` per request, a comment where each run's prefill and decode begin.

@@ -88,7 +88,7 @@ pub fn run(a: DoctorArgs) -> Result<()> {
     };
     let mut opts = a.engine.options()?;
     opts.context = a.context.ctx_size;
-    let size = size_from_config(&config, index_total, opts.kv_element_bytes())?;
+    let size = size_from_config(&config, index_total, opts.kv_element_bytes(), None)?;
     let top_ks = match &a.top_k {
         Some(spec) => parse_top_ks(spec, size.num_experts)?,
         None if size.num_experts == 0 => vec![0],
@@ -126,21 +126,35 @@ pub fn run(a: DoctorArgs) -> Result<()> {
     };
     // The OS page cache holds expert records too, unless reads bypass it: what the plan leaves free. Mapped
     // experts live in it alone (the plan names all of them, which only the page cache's room can hold).
-    let room = plan.limit.saturating_sub(plan.fixed_bytes());
-    let (slot_cache, page_cache) = match plan.placement {
-        ExpertPlacement::Resident => (plan.expert_cache, 0),
-        ExpertPlacement::Mmap => (0, room.min(size.expert_bytes)),
-        ExpertPlacement::Stream if plan.direct_io => (plan.expert_cache, 0),
-        ExpertPlacement::Stream => (
-            plan.expert_cache,
-            (room.saturating_sub(plan.expert_cache)).min(size.expert_bytes.saturating_sub(plan.expert_cache)),
-        ),
-    };
-    let cache_plan = MemoryPlan {
-        expert_cache: slot_cache,
-        ..plan
+    let caches = |plan: MemoryPlan| {
+        let room = plan.limit.saturating_sub(plan.fixed_bytes());
+        let (slot_cache, page_cache) = match plan.placement {
+            ExpertPlacement::Resident => (plan.expert_cache, 0),
+            ExpertPlacement::Mmap => (0, room.min(size.expert_bytes)),
+            ExpertPlacement::Stream if plan.direct_io => (plan.expert_cache, 0),
+            ExpertPlacement::Stream => (
+                plan.expert_cache,
+                (room.saturating_sub(plan.expert_cache)).min(size.expert_bytes.saturating_sub(plan.expert_cache)),
+            ),
+        };
+        let cache_plan = MemoryPlan {
+            expert_cache: slot_cache,
+            ..plan
+        };
+        (cache_plan, page_cache)
     };
     let k_of = |k: usize| if k == 0 { size.top_k } else { k };
+    // Each row as `--top-k k` would plan it: a prompt token's routes hold k experts' inputs and outputs.
+    let mut rows = Vec::new();
+    for &k in &top_ks {
+        let footprint = size_from_config(&config, index_total, opts.kv_element_bytes(), Some(k_of(k)))?.footprint;
+        let (cache_plan, page_cache) = caches(MemoryPlan::new(machine, footprint, &PlanRequest::from_options(&opts)));
+        let at = |cold: bool, page_cache: u64| {
+            forecast(&size, &cache_plan, &probes, opts.io_depth, k_of(k), cold, page_cache)
+        };
+        rows.push((at(false, page_cache), at(true, 0)));
+    }
+    let (_, page_cache) = caches(plan);
     let report = Report {
         config: config_path.display().to_string(),
         fits: plan.fits(),
@@ -150,14 +164,8 @@ pub fn run(a: DoctorArgs) -> Result<()> {
         kv_bytes_per_1k_tokens: size.footprint.kv_bytes_per_token * 1000,
         huge_pages: expert_store::platform::huge_pages(),
         kernels: sluice_runtime::cpu::kernel_summary(),
-        warm: top_ks
-            .iter()
-            .map(|&k| forecast(&size, &cache_plan, &probes, opts.io_depth, k_of(k), false, page_cache))
-            .collect(),
-        cold: top_ks
-            .iter()
-            .map(|&k| forecast(&size, &cache_plan, &probes, opts.io_depth, k_of(k), true, 0))
-            .collect(),
+        warm: rows.iter().map(|r| r.0.clone()).collect(),
+        cold: rows.into_iter().map(|r| r.1).collect(),
         size,
         probes,
     };

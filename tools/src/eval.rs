@@ -78,6 +78,12 @@ struct Report {
     rows: Vec<Row>,
 }
 
+/// The most experts per token a `--top-k` list asks for (`all`, or no list: every expert, as many as there are).
+fn most_top_k(spec: Option<&str>) -> usize {
+    let listed = spec.and_then(|s| (s.split(',').map(|k| k.trim().parse::<usize>().ok())).collect::<Option<Vec<_>>>());
+    listed.and_then(|ks| ks.into_iter().max()).unwrap_or(usize::MAX)
+}
+
 /// Runs `sluice eval`.
 pub fn run(a: EvalArgs) -> Result<()> {
     if a.windows == Some(0) {
@@ -91,6 +97,9 @@ pub fn run(a: EvalArgs) -> Result<()> {
     // logits at every position three times over: the reference's, the head's output and its copy per sequence.
     opts.prefill_chunk = Some(a.ctx);
     opts.logit_rows = 3 * a.ctx;
+    // Each token's routes hold their experts' inputs and outputs: planned for the most experts evaluated (the
+    // default list ends at all of them).
+    opts.top_k = Some(most_top_k(a.top_k.as_deref()));
     let p = Pipeline::load_with(&a.model, &opts).with_context(|| format!("loading {}", a.model.display()))?;
     let m = &p.model;
     if a.engine.verbose {

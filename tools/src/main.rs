@@ -214,6 +214,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let mut opts = a.engine.options()?;
     opts.context = a.context.ctx_size;
     opts.prefill_chunk = prefill_chunk;
+    opts.top_k = a.top_k;
     let pipeline =
         Pipeline::load_with(&a.model, &opts).with_context(|| format!("loading the model in {}", a.model.display()))?;
     pipeline.model.check_top_k(a.top_k)?;

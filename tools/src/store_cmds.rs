@@ -101,14 +101,22 @@ impl EngineArgs {
         }
         let mode = match (self.experts, self.expert_cache) {
             (ExpertMode::Auto, Some(_)) => ExpertMode::Stream,
+            (m @ (ExpertMode::Resident | ExpertMode::Mmap), Some(_)) => {
+                let m = format!("{m:?}").to_lowercase();
+                bail!("--expert-cache sizes the streamed cache; --experts {m} has none (drop one of the two)")
+            }
             (m, _) => m,
         };
+        let io = if self.direct_io { IoMode::Direct } else { self.io };
+        if mode == ExpertMode::Mmap && io == IoMode::Direct {
+            bail!("--experts mmap reads through the page cache; direct reads are for streamed or resident experts");
+        }
         Ok(ExpertOptions {
             mode,
             cache_bytes: self.expert_cache,
             io_depth: self.io_depth,
             guess_depth: self.guess_depth,
-            io: if self.direct_io { IoMode::Direct } else { self.io },
+            io,
             verify: !self.no_verify,
             prefetch: self.prefetch,
             prefetch_ahead: self.prefetch_ahead,
@@ -119,6 +127,7 @@ impl EngineArgs {
                 (KvCacheArg::F16, _) | (KvCacheArg::Auto, Kernels::Q8) => KvType::F16,
                 (KvCacheArg::F32, _) | (KvCacheArg::Auto, Kernels::Exact) => KvType::F32,
             },
+            top_k: None,
             logit_rows: 0,
         })
     }

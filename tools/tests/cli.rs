@@ -291,6 +291,20 @@ fn bad_flags_are_rejected() {
         (&["--temperature=-1"], "temperature must be ≥ 0, got -1"),
         (&["--threads", "0"], "--threads must be at least 1"),
         (&["--ctx-size", "0"], "--ctx-size <CTX_SIZE>': must be at least 1 token"),
+        // Flags that would be dropped without a word.
+        (
+            &["--experts", "resident", "--expert-cache", "1G"],
+            "--experts resident has none",
+        ),
+        (
+            &["--experts", "mmap", "--expert-cache", "1G"],
+            "--experts mmap has none",
+        ),
+        (
+            &["--experts", "mmap", "--direct-io"],
+            "mmap reads through the page cache",
+        ),
+        (&["--expert-cache", "99999999999T"], "more bytes than there are"),
     ] {
         let err = fails(&dir, extra);
         assert!(err.contains(want), "{extra:?}: expected `{want}` in: {err}");

@@ -86,7 +86,7 @@ pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &Expe
         &stacks,
         store,
         opts,
-        footprint(&arch, opts.kv_element_bytes()),
+        footprint(&arch, opts.kv_element_bytes(), opts.top_k),
         rewrite,
     )?;
     let (source, memory_plan) = (opened.source, opened.plan);
@@ -394,8 +394,8 @@ impl DecoderDims {
 
 /// The per-sequence memory a model of this architecture needs: K and V of `kv_bytes` per element for every
 /// full-attention layer, the f32 state and conv history of every linear-attention layer (the current and the
-/// next), and a prompt token's activations in a prefill pass.
-pub(crate) fn footprint(arch: &Architecture, kv_bytes: u64) -> ModelFootprint {
+/// next), and a prompt token's activations in a prefill pass routed to `top_k` experts (`None`: its own).
+pub(crate) fn footprint(arch: &Architecture, kv_bytes: u64, top_k: Option<usize>) -> ModelFootprint {
     let d = &arch.dims;
     let f32s = 4u64;
     let linear = d.hybrid.as_ref().map_or(0, |h| h.linear.iter().filter(|&&l| l).count());
@@ -412,7 +412,7 @@ pub(crate) fn footprint(arch: &Architecture, kv_bytes: u64) -> ModelFootprint {
         state_bytes: state,
         logit_bytes_per_row: d.vocab as u64 * f32s,
         context_length: d.context_length,
-        activation_bytes_per_token: activation_floats(arch) as u64 * f32s,
+        activation_bytes_per_token: activation_floats(arch, top_k.unwrap_or(d.top_k)) as u64 * f32s,
         ..ModelFootprint::default()
     }
 }
@@ -424,7 +424,7 @@ pub(crate) fn footprint(arch: &Architecture, kv_bytes: u64) -> ModelFootprint {
 /// inputs and outputs (`top_k` hidden vectors each), their gate and up outputs, and a shared expert's or a
 /// dense FFN's intermediate vectors. A matmul's own scratch is per token block (`cpu::token_block`), so it
 /// is not per token: the margin holds it.
-fn activation_floats(arch: &Architecture) -> usize {
+fn activation_floats(arch: &Architecture, top_k: usize) -> usize {
     let d = &arch.dims;
     let a = &d.attn;
     let gate = if d.hybrid.is_some() { 2 } else { 1 };
@@ -442,7 +442,7 @@ fn activation_floats(arch: &Architecture) -> usize {
                 inter,
                 shared,
                 ..
-            } => num_experts + d.top_k * (2 * d.hidden + 2 * inter) + shared.map_or(0, |s| 3 * s + 1),
+            } => num_experts + top_k.min(*num_experts) * (2 * d.hidden + 2 * inter) + shared.map_or(0, |s| 3 * s + 1),
         })
         .max()
         .unwrap_or(0);
