@@ -186,10 +186,8 @@ impl<B: Backend> Model<B> {
             return Ok(Vec::new());
         }
         let mut out = Vec::new();
-        for (j, layer) in self.layers.iter().enumerate().skip(i + 1).take(self.prefetch_ahead) {
-            let Ffn::Moe(moe) = &layer.ffn else {
-                continue;
-            };
+        // `prefetch_ahead` MoE layers, dense ones between not counted: the distance is in MoE layers.
+        for (distance, (j, layer, moe)) in (1..).zip(self.moe_layers_after(i).take(self.prefetch_ahead)) {
             let rows = match self.prefetch {
                 PrefetchMode::None | PrefetchMode::Auto => Vec::new(),
                 PrefetchMode::PrevToken => seqs.iter().map(|s| s.last_experts[j].clone()).collect(),
@@ -199,7 +197,7 @@ impl<B: Backend> Model<B> {
             };
             let guess = merge_ranked(&rows, moe.num_experts);
             let experts: Vec<usize> = if decode {
-                self.record_and_gate(j, j - i, &guess)
+                self.record_and_gate(j, distance, &guess)
             } else {
                 guess.iter().map(|&(e, _)| e).collect()
             };
@@ -210,22 +208,31 @@ impl<B: Backend> Model<B> {
         Ok(out)
     }
 
-    /// The next MoE layer's experts (within `prefetch_ahead` layers after layer `i`), guessed again in a decode
-    /// step from `x`, the residual stream with layer `i`'s output so far: right more often than the guess from
-    /// before it (this layer's output is what moves the next router's choice most). Scored and gated as
-    /// distance 0.
+    /// The MoE layers after decoder layer `i`, nearest first: (decoder layer, layer, its MoE block).
+    fn moe_layers_after(&self, i: usize) -> impl Iterator<Item = (usize, &DecoderLayer<B>, &SparseMoe<B>)> {
+        (self.layers.iter().enumerate().skip(i + 1)).filter_map(|(j, l)| match &l.ffn {
+            Ffn::Moe(m) => Some((j, l, m)),
+            Ffn::Dense(_) => None,
+        })
+    }
+
+    /// The next MoE layer's experts, guessed again in a decode step from `x`, the residual stream with layer
+    /// `i`'s output so far: right more often than the guess from before it (this layer's output is what moves
+    /// the next router's choice most). Scored and gated as distance 0; none when no rank passes the gate, as
+    /// a guess of nothing would drop the queued guesses that do.
     fn predict_refined(&self, i: usize, x: &B::Tensor, ks: &[usize]) -> Result<Prediction> {
-        let next =
-            (self.layers.iter().enumerate().skip(i + 1).take(self.prefetch_ahead)).find_map(|(j, l)| match &l.ffn {
-                Ffn::Moe(m) => Some((j, l, m)),
-                _ => None,
-            });
+        let next = self.moe_layers_after(i).next().filter(|_| self.prefetch_ahead > 0);
         let Some((j, layer, moe)) = next else {
             return Ok(Vec::new());
         };
         let rows = moe.predict(&self.be, &self.be.rms_norm(x, &layer.post_norm, self.eps)?, ks)?;
         let guess = merge_ranked(&rows, moe.num_experts);
-        Ok(vec![(moe.layer, self.record_and_gate(j, 0, &guess))])
+        let experts = self.record_and_gate(j, 0, &guess);
+        Ok(if experts.is_empty() {
+            Vec::new()
+        } else {
+            vec![(moe.layer, experts)]
+        })
     }
 
     /// Records a decode step's `guess` for decoder layer `j`, made `distance` layers ahead (0: refined), for
@@ -292,6 +299,13 @@ impl<B: Backend> Model<B> {
             let b = be.rms_norm(&x, &layer.post_norm, self.eps)?;
             let f = match &layer.ffn {
                 Ffn::Dense(mlp) => {
+                    // A dense layer guesses the MoE layers ahead too: else the first after it is never guessed.
+                    let source = self.moe_layers_after(i).next().map(|(_, _, m)| &m.experts);
+                    if let Some(source) = source {
+                        for (layer, experts) in self.predict_ahead(i, &x, ks, seqs, decode)? {
+                            source.prefetch(layer, &experts);
+                        }
+                    }
                     let start = Instant::now();
                     let f = mlp.forward(be, &b)?;
                     self.profile.add(Part::DenseMlp, start.elapsed());

@@ -481,3 +481,69 @@ fn corrupt_stores_are_clear_errors() {
     convert_model(&dir, &fresh, false, StoreLayout::Mlx, &|_, _| {}).unwrap();
     assert!(!fresh.join("experts.bin.partial").exists());
 }
+
+/// `qwen3_moe-q4g64` with its first layer made dense (`mlp_only_layers: [0]`, bf16 MLP weights in a shard of
+/// their own): the MoE layer after it.
+fn dense_first_layer() -> tempfile::TempDir {
+    let src = fixture("qwen3_moe-q4g64");
+    let d = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(&src).unwrap() {
+        let e = e.unwrap();
+        if e.file_name() != "model.safetensors.index.json" {
+            std::fs::copy(e.path(), d.path().join(e.file_name())).unwrap();
+        }
+    }
+    let path = d.path().join("config.json");
+    let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    c["mlp_only_layers"] = serde_json::json!([0]);
+    std::fs::write(&path, c.to_string()).unwrap();
+    let (hidden, inter) = (128, 256);
+    // Small bf16 values, different in each matrix.
+    let bf16 = |n: usize, seed: u32| -> Vec<u8> {
+        (0..n as u32)
+            .flat_map(|i| {
+                let v = (((i.wrapping_mul(2654435761) ^ seed) >> 16) as f32 / 65536.0 - 0.5) * 0.1;
+                ((v.to_bits() >> 16) as u16).to_le_bytes()
+            })
+            .collect()
+    };
+    let (g, u, dn) = (
+        bf16(inter * hidden, 1),
+        bf16(inter * hidden, 2),
+        bf16(hidden * inter, 3),
+    );
+    let view = |b, shape| safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, shape, b).unwrap();
+    let tensors = [
+        ("model.layers.0.mlp.gate_proj.weight", view(&g, vec![inter, hidden])),
+        ("model.layers.0.mlp.up_proj.weight", view(&u, vec![inter, hidden])),
+        ("model.layers.0.mlp.down_proj.weight", view(&dn, vec![hidden, inter])),
+    ];
+    safetensors::serialize_to_file(tensors, None, &d.path().join("dense.safetensors")).unwrap();
+    d
+}
+
+/// `--prefetch-ahead` counts MoE layers: a dense layer guesses the MoE layer after it (which nothing guessed
+/// before), and streamed decode still equals resident decode with a dense layer in the model.
+#[test]
+fn a_dense_layer_guesses_the_moe_layer_after_it() {
+    let d = dense_first_layer();
+    let opts = ExpertOptions {
+        prefetch_ahead: 1,
+        ..stream(1 << 20, 2, PrefetchMode::NextLayer, false)
+    };
+    let p = Pipeline::load_with(d.path(), &opts).unwrap();
+    let m = &p.model;
+    assert_eq!(m.info.moe_layers, 1);
+    let mut cache = m.new_cache();
+    let ids: Vec<u32> = (1..40).collect();
+    m.forward(&ids[..8], &mut cache, &ForwardOptions::default()).unwrap();
+    for &t in &ids[8..] {
+        m.forward(&[t], &mut cache, &ForwardOptions::default()).unwrap();
+    }
+    assert!(m.guess_precision().is_some(), "no guess was scored");
+    let c = m.expert_counters().unwrap().snapshot();
+    assert!(c.prefetch_issued > 0 && c.guessed > 0, "{c:?}");
+    let want = trace(&load(d.path(), &mmap()), 6);
+    assert_eq!(trace(m, 6), want);
+    assert_eq!(trace(&load(d.path(), &resident()), 6), want);
+}
