@@ -8,6 +8,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use sluice_runtime::eval::{default_top_ks, evaluate, parse_top_ks, window_count, EvalOptions, QualityRow};
+use sluice_runtime::memory_plan::ExpertPlacement;
 use sluice_runtime::{Pipeline, Prompt};
 
 use crate::bench::measure;
@@ -149,6 +150,11 @@ pub fn run(a: EvalArgs) -> Result<()> {
                 .min(m.context_limit().saturating_sub(prompt));
             if n == 0 {
                 bail!("the text is too short to measure decode speed; pass --decode-tokens 0");
+            }
+            // Streamed, every k starts from the same empty caches, as bench's cold run: else each would find the
+            // experts the quality pass and the k before it left behind, and a later k would read less for it.
+            if m.memory_plan.placement == ExpertPlacement::Stream {
+                m.drop_expert_caches()?;
             }
             Some(measure(
                 m,

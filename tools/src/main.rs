@@ -219,7 +219,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
         Pipeline::load_with(&a.model, &opts).with_context(|| format!("loading the model in {}", a.model.display()))?;
     pipeline.model.check_top_k(a.top_k)?;
     if a.engine.verbose {
-        eprintln!("{}", pipeline.model.memory_plan);
+        note(&pipeline.model.memory_plan);
     }
     let prompt = match (&a.prompt, &a.chat) {
         (Some(p), _) => Prompt::Raw(p.clone()),
@@ -253,12 +253,12 @@ fn generate(a: GenerateArgs) -> Result<()> {
     if write_failed.is_none() {
         let _ = writeln!(out);
     }
-    eprintln!("{}", summary(&stats));
+    note(&summary(&stats));
     // The expert I/O line, when this generation had to read experts (streaming).
     if let (Some(c), Some(before)) = (pipeline.model.expert_counters(), io_before) {
         let d = c.snapshot().since(&before);
         if d.misses > 0 {
-            eprintln!("{}", d.summary());
+            note(&d.summary());
         }
     }
     // A closed pipe ended the text on purpose; any other failure to write it (a full disk) is an error.
@@ -266,6 +266,12 @@ fn generate(a: GenerateArgs) -> Result<()> {
         Some(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e).context("writing the generated text"),
         _ => Ok(()),
     }
+}
+
+/// A line on stderr for `generate`, which may have lost its reader: `2>&1 | head` closes stderr with the text,
+/// where `eprintln!` would panic.
+fn note(line: &dyn std::fmt::Display) {
+    let _ = writeln!(std::io::stderr(), "{line}");
 }
 
 /// Refuses `--threads 0` (rayon would read it as "all cores").

@@ -282,40 +282,48 @@ fn run_bench(a: &SelftestArgs, backend: BackendKind) -> Result<()> {
         .tempdir_in(&parent)
         .with_context(|| format!("making a directory in {}", parent.display()))?;
     let model = tmp.path().join("model");
+    // Arguments as the OS spells them: a lossy path would be another directory, which nothing deletes.
+    let args = |words: &[&str], path_after: &str| -> Vec<std::ffi::OsString> {
+        let mut v: Vec<std::ffi::OsString> = words.iter().map(Into::into).collect();
+        let at = v.iter().position(|w| w == path_after).map_or(v.len(), |i| i + 1);
+        v.insert(at, model.clone().into_os_string());
+        v
+    };
     let size = a.bench_size.to_string();
-    let synth_args = Wrap::<SynthArgs>::try_parse_from([
-        "synth",
-        "--shape",
-        "qwen3-30b-a3b",
-        "--size",
-        &size,
+    let synth_args = Wrap::<SynthArgs>::try_parse_from(args(
+        &["synth", "--shape", "qwen3-30b-a3b", "--size", &size, "-o"],
         "-o",
-        &model.to_string_lossy(),
-    ])?;
+    ))?;
     let t = Instant::now();
     synth::run(synth_args.inner)?;
     let written = t.elapsed().as_secs_f64();
     let backend_name = format!("{backend:?}").to_lowercase();
     let probe = a.probe_seconds.to_string();
-    let bench_args = Wrap::<BenchArgs>::try_parse_from([
-        "bench",
+    let bench_args = Wrap::<BenchArgs>::try_parse_from(args(
+        &[
+            "bench",
+            "-m",
+            "-p",
+            "16",
+            "-n",
+            "16",
+            "--probe-seconds",
+            &probe,
+            "--backend",
+            &backend_name,
+        ],
         "-m",
-        &model.to_string_lossy(),
-        "-p",
-        "16",
-        "-n",
-        "16",
-        "--probe-seconds",
-        &probe,
-        "--backend",
-        &backend_name,
-    ])?;
+    ))?;
     let r = bench::measure_all(&bench_args.inner)?;
+    let model_bytes = dir_bytes(&model);
+    // The model is deleted before anything is printed: a reader that leaves (`| head`) ends the process at
+    // the next line, before any destructor runs.
+    drop(tmp);
     println!(
         "bench: Qwen3-30B-A3B shapes, {} layers, {:.2} GB (written in {written:.1} s), experts {}, \
          {:.1} MB of experts per token",
         r.layers,
-        dir_bytes(&model) as f64 / 1e9,
+        model_bytes as f64 / 1e9,
         r.mode,
         r.expert_bytes_per_token as f64 / 1e6
     );

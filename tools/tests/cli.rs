@@ -276,9 +276,10 @@ fn a_failed_write_of_the_text_is_an_error_and_a_closed_pipe_is_not() {
         !out.status.success() && err.contains("writing the generated text"),
         "{err}"
     );
-    // A reader that leaves (`| head`) ends the text quietly.
+    // A reader that leaves (`| head`) ends the text quietly, also when it read the summary too (`2>&1 | head`).
     let out = common::with_reader_gone(&args);
     assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(common::with_shared_reader_gone(&args).success());
 }
 
 #[test]

@@ -124,6 +124,45 @@ fn eval_rejects_bad_input_cleanly() {
     assert!(r["rows"][0]["decode_tok_s"].as_f64().unwrap() > 0.0, "{r}");
 }
 
+/// Streamed, each k's speed is measured from the same empty caches: a k run after others reads what it reads
+/// alone (it read less, finding the records the quality pass and the k before it left).
+#[test]
+fn eval_measures_each_streamed_k_from_empty_caches() {
+    let model = fixture("brown-qwen3_moe-q4g64");
+    let text = fixture("brown-heldout.txt");
+    let read_at_4 = |ks: &str| {
+        let (out, _) = ok(&[
+            "eval",
+            "--model",
+            model.to_str().unwrap(),
+            "--text",
+            text.to_str().unwrap(),
+            "--ctx",
+            "64",
+            "--windows",
+            "2",
+            "--top-k",
+            ks,
+            "--decode-tokens",
+            "16",
+            "--experts",
+            "stream",
+            "--expert-cache",
+            "64M",
+            "--prefetch",
+            "none",
+            "--json",
+        ]);
+        let r: Value = serde_json::from_str(&out).unwrap();
+        let rows = r["rows"].as_array().unwrap().clone();
+        let row = rows.iter().find(|x| x["top_k"] == 4).unwrap().clone();
+        row["read_bytes_per_token"].as_f64().unwrap()
+    };
+    let alone = read_at_4("4");
+    assert!(alone > 0.0);
+    assert_eq!(read_at_4("2,4"), alone);
+}
+
 #[test]
 fn doctor_sizes_plans_and_forecasts_from_a_config() {
     let dir = tempfile::tempdir().unwrap();

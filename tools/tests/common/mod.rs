@@ -37,3 +37,17 @@ pub fn with_reader_gone(args: &[&str]) -> Output {
     drop(child.stdout.take());
     child.wait_with_output().unwrap()
 }
+
+/// Runs the binary with `args`, stdout and stderr on one pipe whose reader has already left (`sluice ... 2>&1
+/// | head`); returns its exit status.
+pub fn with_shared_reader_gone(args: &[&str]) -> std::process::ExitStatus {
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(args)
+        .stdout(writer.try_clone().unwrap())
+        .stderr(writer)
+        .spawn()
+        .unwrap();
+    child.wait().unwrap()
+}
