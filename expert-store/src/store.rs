@@ -365,10 +365,15 @@ impl PackedStore {
         Ok(RecordTable::new(vec![file], layers))
     }
 
-    /// Reads every record and checks its checksum; `progress` gets bytes done. Returns the bad records
-    /// as messages naming layer, expert and offset (empty when all are intact).
+    /// Reads every record from the disk and checks its checksum; `progress` gets bytes done. Returns the bad
+    /// records as messages naming layer, expert and offset (empty when all are intact).
     pub fn verify(&self, progress: &dyn Fn(u64)) -> Result<Vec<String>, StoreError> {
         let path = self.data_path();
+        // The disk's bytes, not the page cache's: right after `convert` wrote them through it, the cache would
+        // only hand back what was written. (Best effort: where the OS will not drop them, the cache is read.)
+        if let Ok(f) = File::open(&path) {
+            let _ = crate::platform::drop_cached_pages(&f);
+        }
         let file = PosixFile::open(&path, false)?;
         let mut buf = Vec::new();
         let mut bad_records = Vec::new();
@@ -587,7 +592,8 @@ pub fn convert(
         Ok(()) => sync_dir(out)?,
     }
     std::fs::rename(&tmp, &data).map_err(io_err(&data))?;
-    partial.0 = None;
+    // Removed on failure until the manifest lands: a data file without one only blocks the next convert.
+    partial.0 = Some(data.clone());
     // The data's rename on disk before the manifest's: else a power loss could keep the manifest over the old
     // data file.
     sync_dir(out)?;
@@ -623,6 +629,7 @@ pub fn convert(
     mfile.sync_all().map_err(io_err(&mtmp))?;
     drop(mfile);
     std::fs::rename(&mtmp, &mpath).map_err(io_err(&mpath))?;
+    partial.0 = None;
     // The renames themselves last once the directory is on disk too.
     sync_dir(out)?;
     PackedStore::open(out)

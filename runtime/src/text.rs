@@ -72,7 +72,11 @@ impl TextCodec {
         if !tpath.exists() {
             return Err(ModelError::Tokenizer(format!("{}: not found", tpath.display())));
         }
-        let tok = tokenizers::Tokenizer::from_file(&tpath).map_err(|e| tok_err(&tpath, e))?;
+        let mut tok = tokenizers::Tokenizer::from_file(&tpath).map_err(|e| tok_err(&tpath, e))?;
+        // A tokenizer.json may keep the truncation and padding it was trained with; Hugging Face's tokenizers
+        // drop them unless a call asks, and a prompt or an eval text cut short without a word would be wrong.
+        tok.with_truncation(None).map_err(|e| tok_err(&tpath, e))?;
+        tok.with_padding(None);
         let tc = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
         let jinja = dir.join("chat_template.jinja");
         let chat_template = if jinja.exists() {
@@ -436,6 +440,21 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("roles must be user or assistant, got tool"), "{e}");
+    }
+
+    /// A truncation or padding left in tokenizer.json cuts or pads nothing, as in Hugging Face's tokenizers.
+    #[test]
+    fn a_truncation_in_the_tokenizer_file_cuts_nothing() {
+        let d = tempfile::tempdir().unwrap();
+        let tok = serde_json::json!({"version": "1.0", "added_tokens": [],
+            "truncation": {"direction": "Right", "max_length": 2, "strategy": "LongestFirst", "stride": 0},
+            "padding": {"strategy": {"Fixed": 8}, "direction": "Right", "pad_to_multiple_of": null, "pad_id": 2,
+                "pad_type_id": 0, "pad_token": "<unk>"},
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1, "<unk>": 2}, "unk_token": "<unk>"}});
+        std::fs::write(d.path().join("tokenizer.json"), tok.to_string()).unwrap();
+        let c = TextCodec::load(d.path(), &[]).unwrap();
+        assert_eq!(c.encode("a b a b a", false).unwrap(), vec![0, 1, 0, 1, 0]);
     }
 
     /// A model writing U+FFFD itself is not held back for good (every token re-decoded the growing window).

@@ -456,13 +456,20 @@ fn corrupt_stores_are_clear_errors() {
         .to_string();
     assert!(err.contains("not empty"), "{err}");
 
-    // A replace that fails before its manifest lands leaves no store (not the old manifest over new data);
-    // what it leaves behind is replaced by the next convert with --force.
+    // A replace that fails before its manifest lands leaves no store (not the old manifest over new data), and
+    // takes its data file with it.
     let blocked = store_dir.join("sluice-store.json.partial");
     std::fs::create_dir(&blocked).unwrap();
     assert!(convert_model(&dir, &store_dir, true, StoreLayout::Mlx, &|_, _| {}).is_err());
     assert!(PackedStore::open(&store_dir).is_err(), "a manifest outlived its data");
+    assert!(
+        !store_dir.join("experts.bin").exists(),
+        "the data file outlived the failure"
+    );
     std::fs::remove_dir(&blocked).unwrap();
+    // A data file without its manifest (a power loss between the two) is replaced by the next convert with
+    // --force only.
+    std::fs::write(store_dir.join("experts.bin"), "data").unwrap();
     std::fs::write(&blocked, "half a manifest").unwrap();
     let err = convert_model(&dir, &store_dir, false, StoreLayout::Mlx, &|_, _| {})
         .err()
