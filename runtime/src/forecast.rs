@@ -307,7 +307,12 @@ pub fn forecast(
     } else if cold {
         0.0
     } else {
-        ((plan.expert_cache + page_cache) as f64 / s.expert_bytes as f64).min(1.0)
+        // Records held, over all of them: the slot cache holds whole slots, each as long as the longest record
+        // (aligned); the page cache holds records as stored.
+        let records = (s.moe_layers * s.num_experts).max(1) as f64;
+        let slot = (s.footprint.expert_bytes as f64 / records).max(1.0);
+        let held = (plan.expert_cache as f64 / slot).floor() + page_cache as f64 / s.record_bytes.max(1) as f64;
+        (held / records).min(1.0)
     };
     let bw = p.matvec_gbps * 1e9;
     let resident = s.resident_read_per_token as f64 / bw + s.resident_calls_per_token as f64 * p.call_seconds;
@@ -532,7 +537,9 @@ mod tests {
         }
         let warm = forecast(&s, &streamed, &probes, 8, 3, false, 0);
         let cold = forecast(&s, &streamed, &probes, 8, 3, true, 0);
-        assert!(warm.hit_rate > 0.0 && warm.hit_rate < 1.0, "{}", warm.hit_rate);
+        // Four records' bytes make three 16 KiB slots (a record is 13.5 KiB): 3 of the 16 records.
+        assert!(s.record_bytes < 16 << 10 && 4 * s.record_bytes >= 48 << 10);
+        assert_eq!(warm.hit_rate, 3.0 / 16.0);
         assert_eq!(cold.hit_rate, 0.0);
         assert!(cold.tok_s < warm.tok_s && warm.tok_s < r[2].tok_s);
         // Disk time per layer beside compute per layer decides the label.

@@ -17,7 +17,9 @@
 //!   computes as fast (README, "Thirty-third session": on `compare.sh large`'s model a 2,048-token prompt read
 //!   23.5 MB per token in passes of 512 and 14.1 in one of 2,048; on a slow disk the first waited on reads
 //!   for 22% of the prefill and the second for 1%).
-//! - **room for experts** = limit − resident weights − KV − prefill activations − margin.
+//! - **attention scores** = compute threads × the scores one keeps per context position (4 positions × the
+//!   query heads of a key/value head, f32) × the KV budget's tokens: a thread keeps its largest task's.
+//! - **room for experts** = limit − resident weights − KV − prefill activations − attention scores − margin.
 //! - `--experts auto` keeps every expert resident when they fit in that room, else streams them.
 //! - A **draft model** and a **prefix cache** take their bytes off the room too (none exist yet), and so do
 //!   the full-vocabulary **logits** a command holds beside the pass (`eval`: three windows' worth).
@@ -97,6 +99,9 @@ pub struct ModelFootprint {
     /// Activations one prompt token holds at the peak of a prefill pass (f32 hidden states, projections,
     /// router logits, its routed experts' inputs and outputs).
     pub activation_bytes_per_token: u64,
+    /// Attention scores one compute thread keeps per position of the context (f32, for the positions of one
+    /// task and the query heads of one key/value head).
+    pub score_bytes_per_position: u64,
 }
 
 /// What the user asked for.
@@ -120,6 +125,8 @@ pub struct PlanRequest {
     pub prefix_cache: u64,
     /// Rows of full-vocabulary logits held at once beside the pass (`eval`).
     pub logit_rows: usize,
+    /// Threads that compute (each keeps its own attention scores; 0 counts as 1).
+    pub threads: usize,
 }
 
 impl PlanRequest {
@@ -133,6 +140,7 @@ impl PlanRequest {
             prefill_chunk: opts.prefill_chunk,
             gpu_buffers: opts.backend == BackendKind::Mlx && cfg!(target_os = "macos"),
             logit_rows: opts.logit_rows,
+            threads: rayon::current_num_threads(),
             ..Self::default()
         }
     }
@@ -168,6 +176,10 @@ pub struct MemoryPlan {
     pub prefill_chunk: usize,
     /// Activations of one prefill pass.
     pub prefill_activations: u64,
+    /// The compute threads' attention scores over the KV budget's context.
+    pub attention_scores: u64,
+    /// Threads they are counted for.
+    pub threads: usize,
     /// Where the experts live.
     pub placement: ExpertPlacement,
     /// Bytes of expert records held in slots (all of them when resident).
@@ -214,9 +226,14 @@ impl MemoryPlan {
             .saturating_mul(kv_tokens as u64)
             .saturating_add(model.state_bytes);
         let logits = model.logit_bytes_per_row.saturating_mul(req.logit_rows as u64);
+        let threads = req.threads.max(1);
+        let attention_scores = (model.score_bytes_per_position)
+            .saturating_mul(kv_tokens as u64)
+            .saturating_mul(threads as u64);
         let before_prefill = limit
             .saturating_sub(model.resident_weights)
             .saturating_sub(logits)
+            .saturating_sub(attention_scores)
             .saturating_sub(kv_per_sequence)
             .saturating_sub(req.draft_model)
             .saturating_sub(req.prefix_cache)
@@ -270,6 +287,8 @@ impl MemoryPlan {
             kv_per_sequence,
             prefill_chunk,
             prefill_activations,
+            attention_scores,
+            threads,
             placement,
             expert_cache,
             room,
@@ -294,6 +313,7 @@ impl MemoryPlan {
         [
             self.kv_per_sequence,
             self.prefill_activations,
+            self.attention_scores,
             self.draft_model,
             self.prefix_cache,
             self.logits,
@@ -363,6 +383,15 @@ impl fmt::Display for MemoryPlan {
             gib(self.prefill_activations),
             self.prefill_chunk
         )?;
+        if self.attention_scores > 0 {
+            writeln!(
+                f,
+                "  attention scores {:>11} ({} threads over {} tokens)",
+                gib(self.attention_scores),
+                self.threads,
+                self.kv_tokens
+            )?;
+        }
         let optional = |b: u64| if b == 0 { "none".to_string() } else { gib(b) };
         writeln!(f, "  draft model      {:>11}", optional(self.draft_model))?;
         writeln!(f, "  prefix cache     {:>11}", optional(self.prefix_cache))?;
@@ -402,12 +431,15 @@ mod tests {
             resident_weights: 3_500_000_000,
             expert_bytes: 48 * 256 * record,
             kv_bytes_per_token: 12 * 2 * 2 * 256 * 4,
-            state_bytes: 36 * (64 * 128 * 128 + 3 * 12288) * 4,
+            // Twice, as `models::footprint` counts it: a forward writes the next state beside the current.
+            state_bytes: 2 * 36 * (64 * 128 * 128 + 3 * 12288) * 4,
             logit_bytes_per_row: 248_320 * 4,
             context_length: 262_144,
             // 3 hidden vectors + the router's 256 logits + 8 experts' inputs, outputs, gate and up outputs
             // + the shared expert's 1024-wide intermediates (the widest stage), f32.
             activation_bytes_per_token: (3 * 3072 + 256 + 8 * (2 * 3072 + 2 * 1024) + 3 * 1024 + 1) * 4,
+            // 4 positions × 16 query heads per key/value head, f32.
+            score_bytes_per_position: 4 * 16 * 4,
         }
     }
 
@@ -416,23 +448,42 @@ mod tests {
         let machine = mac_64gb();
         let model = qwen35_122b();
         assert_eq!(model.expert_bytes, 65_229_815_808);
-        let cpu = MemoryPlan::new(machine, model, &PlanRequest::default());
+        // Twelve compute threads (an M4 Pro's cores).
+        let req = PlanRequest {
+            threads: 12,
+            ..Default::default()
+        };
+        let cpu = MemoryPlan::new(machine, model, &req);
         assert_eq!(cpu.limit, machine.available);
         assert_eq!(cpu.margin, 2 * GIB);
         assert_eq!(cpu.kv_tokens, 32768);
-        assert_eq!(cpu.kv_per_sequence, 32768 * 49152 + 36 * (1_048_576 + 36864) * 4);
+        assert_eq!(cpu.kv_per_sequence, 32768 * 49152 + 2 * 36 * (1_048_576 + 36864) * 4);
         assert_eq!(cpu.placement, ExpertPlacement::Stream);
-        assert_eq!(cpu.kv_per_sequence, 1_766_916_096);
+        assert_eq!(cpu.kv_per_sequence, 1_923_219_456);
         // Streamed: prefill passes of 2048 tokens, whose activations come off the room.
         assert_eq!(cpu.prefill_chunk, 2048);
         assert_eq!(cpu.prefill_activations, 2048 * 312_324);
         // The slot cache takes all the room the other budgets leave, and reads bypass the page cache.
+        // Each compute thread's attention scores over the 32768 tokens.
+        assert_eq!((cpu.threads, cpu.attention_scores), (12, 12 * 256 * 32768));
         assert_eq!(
             cpu.room,
-            44_917_735_424 - 3_500_000_000 - 1_766_916_096 - 2048 * 312_324 - 2 * GIB
+            44_917_735_424 - 3_500_000_000 - 1_923_219_456 - 2048 * 312_324 - 12 * 256 * 32768 - 2 * GIB
         );
+        assert_eq!(cpu.room, 36_606_729_472);
         assert_eq!(cpu.expert_cache, cpu.room);
         assert_eq!(cpu.total(), cpu.limit);
+        // Each compute thread keeps its own scores.
+        let one = MemoryPlan::new(
+            machine,
+            model,
+            &PlanRequest {
+                threads: 1,
+                ..Default::default()
+            },
+        );
+        assert_eq!(one.room - cpu.room, 11 * 256 * 32768);
+        assert!(cpu.to_string().contains("(12 threads over 32768 tokens)"), "{cpu}");
         assert!(cpu.direct_io);
         assert!(cpu.to_string().contains("reads            direct"), "{cpu}");
         // On Metal the same machine is capped by the working set (48 GiB > 45 GB available: no change).
@@ -465,6 +516,7 @@ mod tests {
             logit_bytes_per_row: 151_936 * 4,
             context_length: 40960,
             activation_bytes_per_token: 200_000,
+            score_bytes_per_position: 4 * 8 * 4,
         };
         // Logits a command holds beside the pass (`eval`'s) take their bytes off the room, and count.
         let plain = MemoryPlan::new(machine, small, &PlanRequest::default());

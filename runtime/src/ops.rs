@@ -246,7 +246,7 @@ impl AttnShape {
 /// Query positions an attention task covers when a prefill has enough of them: each key block and value row is
 /// then loaded once for all their heads, not once per position (a position's task at 8k deep streams its head's
 /// whole cache, more than L2 holds).
-const POSITIONS_PER_TASK: usize = 4;
+pub(crate) const POSITIONS_PER_TASK: usize = 4;
 
 thread_local! {
     /// A task's scores and outputs, kept between tasks: every score a task reads it writes first, and a deep

@@ -413,6 +413,8 @@ pub(crate) fn footprint(arch: &Architecture, kv_bytes: u64, top_k: Option<usize>
         logit_bytes_per_row: d.vocab as u64 * f32s,
         context_length: d.context_length,
         activation_bytes_per_token: activation_floats(arch, top_k.unwrap_or(d.top_k)) as u64 * f32s,
+        score_bytes_per_position: (crate::ops::POSITIONS_PER_TASK * d.attn.heads / d.attn.kv_heads.max(1)) as u64
+            * f32s,
         ..ModelFootprint::default()
     }
 }
