@@ -11,6 +11,7 @@ use expert_store::{
 use crate::error::{ModelError, Result};
 use crate::memory_plan::{gib, ExpertPlacement, MachineMemory, MemoryPlan, ModelFootprint, PlanRequest};
 use crate::options::{BackendKind, ExpertMode, ExpertOptions, IoMode};
+use crate::weights::Weights;
 
 /// An expert source with the memory plan that sized it.
 pub(crate) struct OpenedSource {
@@ -24,23 +25,16 @@ pub(crate) struct OpenedSource {
 /// weight sizes are filled in here from the checkpoint. Streamed records are rewritten by `rewrite` as they
 /// land, when given. A `store` has been checked against `stacks` by the caller (`PackedStore::check_against`).
 pub(crate) fn open_source(
-    ckpt: &Arc<Checkpoint>,
+    weights: &Weights,
     stacks: &[StackedExperts],
     store: Option<&PackedStore>,
     opts: &ExpertOptions,
     mut footprint: ModelFootprint,
     rewrite: Option<Arc<dyn RecordTransform>>,
 ) -> Result<OpenedSource> {
-    (footprint.resident_weights, footprint.expert_bytes) = weight_bytes(ckpt, stacks, opts.backend);
-    #[cfg_attr(not(feature = "mlx"), allow(unused_mut))]
-    let mut machine = MachineMemory::probe();
-    #[cfg(feature = "mlx")]
-    if opts.backend == crate::options::BackendKind::Mlx {
-        // Metal's own figure, when MLX reports one, beats the rule of thumb.
-        if let Some(w) = crate::backend::mlx::recommended_working_set() {
-            machine.gpu_working_set = Some(w);
-        }
-    }
+    let ckpt = weights.checkpoint();
+    (footprint.resident_weights, footprint.expert_bytes) = weight_bytes(weights, stacks, opts.backend);
+    let machine = MachineMemory::probe_for(opts.backend);
     let plan_for = |footprint| MemoryPlan::new(machine, footprint, &PlanRequest::from_options(opts));
     let unwritten = |source: Arc<dyn ExpertSource>, plan: MemoryPlan| {
         warn_unless_fits(&plan);
@@ -133,11 +127,14 @@ pub(crate) fn open_source(
 /// every 16-bit float tensor (norms, dense weights, quantization scales and biases) as an f32 copy
 /// (`backend/mlx/ops.rs`), twice its size on disk. The embedding table stays in the mapped file (rows are
 /// looked up on the host) unless it is also the head (tied: no `lm_head` tensor), which the backend uploads.
-fn weight_bytes(ckpt: &Checkpoint, stacks: &[StackedExperts], backend: BackendKind) -> (u64, u64) {
+fn weight_bytes(weights: &Weights, stacks: &[StackedExperts], backend: BackendKind) -> (u64, u64) {
+    let ckpt = weights.checkpoint();
     let stacked: std::collections::HashSet<&str> = stacks.iter().flat_map(|s| &s.tensors).map(String::as_str).collect();
     let tied = !ckpt.names().any(|n| n.contains("lm_head."));
     let (mut resident, mut experts) = (0u64, 0u64);
-    for (name, t) in ckpt.names().filter_map(|n| Some((n, ckpt.get(n)?))) {
+    // Only what the text model reads: a VLM's vision tower and an MTP head stay in the mapped file, unread.
+    let read = ckpt.names().filter(|n| weights.is_text_model(n));
+    for (name, t) in read.filter_map(|n| Some((n, ckpt.get(n)?))) {
         let bytes = t.bytes().len() as u64;
         if stacked.contains(name) {
             experts += bytes;

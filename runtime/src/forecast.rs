@@ -23,6 +23,7 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::memory_plan::{ExpertPlacement, MemoryPlan, ModelFootprint};
 use crate::models::{describe_config, FfnPlan};
+use crate::options::{BackendKind, ExpertOptions};
 use crate::quant::{QuantMode, QuantSpec};
 
 /// A model's sizes, from its config (and the safetensors index's total, when given).
@@ -71,15 +72,10 @@ pub fn bytes_per_weight(spec: Option<QuantSpec>, float_bytes: usize) -> f64 {
     }
 }
 
-/// Sizes a model from its config, its KV cache at `kv_bytes` per element and its prefill activations at
-/// `top_k` experts per token (`None`: its own); `index_total` (the safetensors index's `metadata.total_size`)
-/// rescales the estimate to the exact total.
-pub fn size_from_config(
-    config: &ModelConfig,
-    index_total: Option<u64>,
-    kv_bytes: u64,
-    top_k: Option<usize>,
-) -> Result<ModelSize> {
+/// Sizes a model from its config as `opts` would load it (its KV cache's element type, its prefill
+/// activations at `--top-k`, the backend's copies); `index_total` (the safetensors index's
+/// `metadata.total_size`) rescales the estimate to the exact total.
+pub fn size_from_config(config: &ModelConfig, index_total: Option<u64>, opts: &ExpertOptions) -> Result<ModelSize> {
     let arch = describe_config(config)?;
     let d = &arch.dims;
     let float_bytes = match config.text.get("torch_dtype").and_then(|v| v.as_str()) {
@@ -87,16 +83,21 @@ pub fn size_from_config(
         _ => 2,
     };
     let bpw = bytes_per_weight(config.quant.default, float_bytes);
+    // Bytes of the float tensors among the matrices sized (scales and biases, unquantized matrices).
+    let floats = std::cell::Cell::new(0u64);
     // One matrix [rows, cols] of module `path`: quantized per the config's entry for it when its rows split
     // into whole groups (mlx-lm's rule), else floats.
     let mat = |path: &str, rows: usize, cols: usize| -> u64 {
         let alt = format!("language_model.{path}");
-        match config.quant.spec_for(path, Some(&alt)) {
+        let (all, float) = match config.quant.spec_for(path, Some(&alt)) {
             Some(q) if cols.is_multiple_of(q.group_size.max(1)) => {
-                (rows as f64 * cols as f64 * bytes_per_weight(Some(q), float_bytes)) as u64
+                let all = (rows as f64 * cols as f64 * bytes_per_weight(Some(q), float_bytes)) as u64;
+                (all, all - (rows as f64 * cols as f64 * q.bits as f64 / 8.0) as u64)
             }
-            _ => (rows * cols * float_bytes) as u64,
-        }
+            _ => ((rows * cols * float_bytes) as u64, (rows * cols * float_bytes) as u64),
+        };
+        floats.set(floats.get() + float);
+        all
     };
     let (h, a) = (d.hidden, &d.attn);
     let fb = float_bytes as u64;
@@ -125,7 +126,7 @@ pub fn size_from_config(
                 + mat(&l("k_proj"), kv, h)
                 + mat(&l("v_proj"), kv, h)
                 + mat(&l("o_proj"), h, q);
-            vectors += 2 * a.head_dim as u64 * fb;
+            vectors += if d.qk_norm { 2 * a.head_dim as u64 * fb } else { 0 };
             calls += 4;
         }
         match ffn {
@@ -144,9 +145,12 @@ pub fn size_from_config(
                 let l = |m: &str| format!("{prefix}.{m}");
                 moe_layers += 1;
                 num_experts = *e;
+                // Expert records are served as stored, whatever the backend: not among the resident floats.
+                let resident_floats = floats.get();
                 let record = mat(&l("switch_mlp.gate_proj"), *inter, h)
                     + mat(&l("switch_mlp.up_proj"), *inter, h)
                     + mat(&l("switch_mlp.down_proj"), h, *inter);
+                floats.set(resident_floats);
                 let sh = |si: usize| {
                     mat(&l("shared_expert.gate_proj"), si, h)
                         + mat(&l("shared_expert.up_proj"), si, h)
@@ -161,7 +165,14 @@ pub fn size_from_config(
             }
         }
     }
+    // The final norm.
+    vectors += h as u64 * fb;
+    let before_table = floats.get();
     let table = mat("model.embed_tokens", d.vocab, h);
+    if !d.tie_embeddings {
+        // An untied table stays in the mapped file (rows are looked up on the host), on every backend.
+        floats.set(before_table);
+    }
     let head = if d.tie_embeddings {
         0
     } else {
@@ -169,6 +180,12 @@ pub fn size_from_config(
     };
     calls += 1;
     let mut resident = per_token + table + head + vectors;
+    // The mlx backend keeps every 16-bit float tensor it uploads as an f32 copy: twice its bytes (as the
+    // loader counts them, `expert_source::weight_bytes`).
+    let mut copies = match (opts.backend, float_bytes) {
+        (BackendKind::Mlx, 2) => floats.get() + vectors,
+        _ => 0,
+    };
     // A step reads the head (or the tied table as one) whole, and one embedding row.
     let mut read = per_token + if d.tie_embeddings { table } else { head } + table / d.vocab.max(1) as u64 + vectors;
     let exact = index_total.is_some();
@@ -177,6 +194,7 @@ pub fn size_from_config(
         if est > 0 {
             let f = total as f64 / est as f64;
             resident = (resident as f64 * f) as u64;
+            copies = (copies as f64 * f) as u64;
             read = (read as f64 * f) as u64;
             all_experts = (all_experts as f64 * f) as u64;
             longest = (longest as f64 * f) as u64;
@@ -184,8 +202,8 @@ pub fn size_from_config(
     }
     let expert_bytes = all_experts;
     let record = all_experts / (moe_layers * num_experts).max(1) as u64;
-    let mut footprint = crate::models::footprint(&arch, kv_bytes, top_k);
-    footprint.resident_weights = resident;
+    let mut footprint = crate::models::footprint(&arch, opts.kv_element_bytes(), opts.top_k);
+    footprint.resident_weights = resident + copies;
     // Planned as the loader plans them: the slots every record would take.
     footprint.expert_bytes = crate::expert_source::slot_arena_bytes(records, longest);
     Ok(ModelSize {
@@ -469,7 +487,7 @@ mod tests {
                 continue;
             }
             let config = ModelConfig::load(&dir).unwrap();
-            let est = size_from_config(&config, None, 4, None).unwrap();
+            let est = size_from_config(&config, None, &ExpertOptions::default()).unwrap();
             let w = Weights::open(&dir, config.clone()).unwrap();
             let total = w.checkpoint().total_bytes() as f64;
             let experts: f64 = w
@@ -492,9 +510,34 @@ mod tests {
                 );
             }
             // With the exact total, the sum is exact.
-            let exact = size_from_config(&config, Some(total as u64), 4, None).unwrap();
+            let exact = size_from_config(&config, Some(total as u64), &ExpertOptions::default()).unwrap();
             let sum = (exact.resident_bytes + exact.expert_bytes) as f64;
             assert!((sum / total - 1.0).abs() < 1e-3, "{name}: {sum} vs {total}");
+            // The mlx backend's f32 copies: the text model's 16-bit tensors it uploads (all but the experts and
+            // an untied embedding table), as the loader counts them.
+            let ck = w.checkpoint();
+            let tied = !ck.names().any(|n| n.contains("lm_head."));
+            let copied: f64 = (ck.names())
+                .filter(|n| w.is_text_model(n) && !(n.contains("switch_mlp") || n.contains(".experts.")))
+                .filter(|n| tied || !n.contains("embed_tokens."))
+                .filter_map(|n| ck.get(n))
+                .filter(|t| matches!(t.dtype, expert_store::Dtype::F16 | expert_store::Dtype::BF16))
+                .map(|t| t.bytes().len() as f64)
+                .sum();
+            let mlx = ExpertOptions {
+                backend: crate::options::BackendKind::Mlx,
+                ..Default::default()
+            };
+            let on_mlx = size_from_config(&config, None, &mlx)
+                .unwrap()
+                .footprint
+                .resident_weights;
+            let copies = (on_mlx - est.footprint.resident_weights) as f64;
+            eprintln!("{name}: copies {copies} vs {copied}");
+            assert!(
+                (copies / copied - 1.0).abs() < 0.03,
+                "{name}: mlx copies {copies} vs {copied}"
+            );
             checked += 1;
         }
         assert!(checked >= 20, "{checked}");
@@ -503,7 +546,7 @@ mod tests {
     #[test]
     fn forecast_is_slower_with_more_experts_and_fewer_hits() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/qwen3_moe-q4g64");
-        let s = size_from_config(&ModelConfig::load(&root).unwrap(), None, 4, None).unwrap();
+        let s = size_from_config(&ModelConfig::load(&root).unwrap(), None, &ExpertOptions::default()).unwrap();
         let probes = MachineProbes {
             disk_gbps_by_depth: vec![(1, 0.5), (2, 1.0), (4, 2.0), (8, 2.0)],
             dram_gbps: 20.0,
@@ -593,7 +636,7 @@ mod tests {
     #[test]
     fn a_cold_start_is_never_forecast_faster_than_a_warm_one() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/qwen3_moe-q4g64");
-        let s = size_from_config(&ModelConfig::load(&root).unwrap(), None, 4, None).unwrap();
+        let s = size_from_config(&ModelConfig::load(&root).unwrap(), None, &ExpertOptions::default()).unwrap();
         let machine = MachineMemory {
             total: 16 << 30,
             available: 8 << 30,

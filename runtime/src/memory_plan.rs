@@ -79,6 +79,22 @@ impl MachineMemory {
             },
         }
     }
+
+    /// [`Self::probe`] as `backend` sees the machine: the mlx backend takes Metal's working-set limit from
+    /// MLX when it reports one.
+    pub fn probe_for(backend: BackendKind) -> Self {
+        #[cfg_attr(not(feature = "mlx"), allow(unused_mut))]
+        let mut machine = Self::probe();
+        #[cfg(feature = "mlx")]
+        if backend == BackendKind::Mlx {
+            if let Some(w) = crate::backend::mlx::recommended_working_set() {
+                machine.gpu_working_set = Some(w);
+            }
+        }
+        #[cfg(not(feature = "mlx"))]
+        let _ = backend;
+        machine
+    }
 }
 
 /// A model's memory needs, from its tensors and shapes.

@@ -235,6 +235,9 @@ fn a_per_expert_mtp_head_beside_stacked_experts_loads() {
         .forward(&g.prompt_ids, &mut with_mtp.new_cache(), &opts)
         .unwrap();
     assert_eq!(got, want);
+    // Nor is it planned for: the resident weights are the text model's.
+    let resident = |m: &sluice_runtime::DecoderModel| m.memory_plan.model.resident_weights;
+    assert_eq!(resident(&with_mtp), resident(&base));
     // The same name in the decoder is still a per-expert layout, and refused.
     let d = copy_of(&src);
     let name = "model.language_model.layers.0.mlp.experts.0.gate_proj.weight";

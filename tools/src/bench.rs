@@ -17,7 +17,7 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use sluice_runtime::config::ModelConfig;
 use sluice_runtime::forecast::size_from_config;
-use sluice_runtime::{DecoderModel, ForwardOptions, Part, Pipeline, PrefetchMode};
+use sluice_runtime::{DecoderModel, ExpertOptions, ForwardOptions, Part, Pipeline, PrefetchMode};
 
 use crate::store_cmds::EngineArgs;
 
@@ -495,7 +495,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         dram_probe_gb_s: dram.map(|d| d.best()),
         dram_one_stream_gb_s: dram.map(|d| d.one_stream),
         dram_four_streams_gb_s: dram.map(|d| d.four_streams),
-        weight_bytes_per_token: resident_read_per_token(&a.model, opts.kv_element_bytes())
+        weight_bytes_per_token: resident_read_per_token(&a.model, &opts)
             .map(|r| r + record_bytes * (top_k * moe_layers) as u64),
         fresh_memory_gb_s,
         in_ram,
@@ -513,15 +513,11 @@ pub(crate) const PACKED_STORE_HINT: &str = "streamed from a checkpoint, each rec
 /// Resident bytes one decode step reads, as `doctor` sizes them: from the model directory's `config.json` (a
 /// packed store's too), rescaled to its safetensors index's `total_size` when there is one; `None` if the
 /// config cannot be sized.
-fn resident_read_per_token(model: &Path, kv_bytes: u64) -> Option<u64> {
+fn resident_read_per_token(model: &Path, opts: &ExpertOptions) -> Option<u64> {
     let dir = sluice_runtime::model_dir(model).ok()?;
     let config = ModelConfig::load(&dir).ok()?;
     let total = crate::doctor::index_total_size(&dir.join("model.safetensors.index.json")).ok();
-    Some(
-        size_from_config(&config, total, kv_bytes, None)
-            .ok()?
-            .resident_read_per_token,
-    )
+    Some(size_from_config(&config, total, opts).ok()?.resident_read_per_token)
 }
 
 /// The routing trace as text: `layer expert` per request, a comment where each run's prefill and decode begin.

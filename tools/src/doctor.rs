@@ -14,6 +14,7 @@ use sluice_runtime::forecast::{
     check_top_k, forecast, matvec_probe, size_from_config, Forecast, MachineProbes, ModelSize,
 };
 use sluice_runtime::memory_plan::{ExpertPlacement, MachineMemory, MemoryPlan, PlanRequest};
+use sluice_runtime::ExpertOptions;
 
 use crate::store_cmds::EngineArgs;
 use crate::ContextArgs;
@@ -88,7 +89,7 @@ pub fn run(a: DoctorArgs) -> Result<()> {
     };
     let mut opts = a.engine.options()?;
     opts.context = a.context.ctx_size;
-    let size = size_from_config(&config, index_total, opts.kv_element_bytes(), None)?;
+    let size = size_from_config(&config, index_total, &opts)?;
     let top_ks = match &a.top_k {
         Some(spec) => parse_top_ks(spec, size.num_experts)?,
         None if size.num_experts == 0 => vec![0],
@@ -101,7 +102,7 @@ pub fn run(a: DoctorArgs) -> Result<()> {
     if let Some(Err(e)) = config.quant.default.map(|s| s.check_widths()) {
         bail!("{}: quantization: {e}", config_path.display());
     }
-    let machine = MachineMemory::probe();
+    let machine = MachineMemory::probe_for(opts.backend);
     let plan = MemoryPlan::new(machine, size.footprint, &PlanRequest::from_options(&opts));
     let time = Duration::from_secs_f64(a.probe_seconds.max(0.1));
     if !a.json {
@@ -147,7 +148,11 @@ pub fn run(a: DoctorArgs) -> Result<()> {
     // Each row as `--top-k k` would plan it: a prompt token's routes hold k experts' inputs and outputs.
     let mut rows = Vec::new();
     for &k in &top_ks {
-        let footprint = size_from_config(&config, index_total, opts.kv_element_bytes(), Some(k_of(k)))?.footprint;
+        let at_k = ExpertOptions {
+            top_k: Some(k_of(k)),
+            ..opts.clone()
+        };
+        let footprint = size_from_config(&config, index_total, &at_k)?.footprint;
         let (cache_plan, page_cache) = caches(MemoryPlan::new(machine, footprint, &PlanRequest::from_options(&opts)));
         let at = |cold: bool, page_cache: u64| {
             forecast(&size, &cache_plan, &probes, opts.io_depth, k_of(k), cold, page_cache)

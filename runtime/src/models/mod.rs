@@ -82,7 +82,7 @@ pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &Expe
     let tiles = expert_tiles(&arch, &layouts, opts);
     let rewrite = tiles.clone().map(|t| t as Arc<dyn expert_store::RecordTransform>);
     let opened = open_source(
-        weights.checkpoint(),
+        &weights,
         &stacks,
         store,
         opts,
