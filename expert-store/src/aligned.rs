@@ -119,15 +119,17 @@ impl Prefault {
     /// `backed()` after each slot backed; returns the bytes backed (0 where the OS cannot back memory
     /// without writing it).
     pub fn run(&self, stop: impl Fn() -> bool, mut backed: impl FnMut()) -> usize {
+        let page = crate::platform::page_size() as usize;
         let mut done = 0;
         for &(offset, len) in &self.ranges {
             if stop() {
                 break;
             }
-            // SAFETY: `offset..offset + len` lies inside the arena (checked at allocation), which `self.arena`
-            // keeps mapped; the pointer is therefore in bounds and not null.
-            let ptr = unsafe { NonNull::new_unchecked(self.arena.ptr.as_ptr().add(offset)) };
-            if !crate::platform::populate(ptr, len) {
+            let (start, span) = page_span(offset, len, page, self.arena.len);
+            // SAFETY: `start..start + span` covers the slot's whole pages, inside the arena's mapping (which the
+            // OS made whole pages long), which `self.arena` keeps mapped; the pointer is in bounds and not null.
+            let ptr = unsafe { NonNull::new_unchecked(self.arena.ptr.as_ptr().add(start)) };
+            if !crate::platform::populate(ptr, span) {
                 break;
             }
             done += len;
@@ -135,6 +137,17 @@ impl Prefault {
         }
         done
     }
+}
+
+/// The whole pages of `page` bytes that hold `offset..offset + len` of an arena `arena_len` long: the OS backs
+/// pages, and refuses a range that starts inside one (slots are 16 KiB-aligned, pages 64 KiB on some aarch64
+/// kernels). Backing a neighbour's part of a page is harmless: it changes no byte.
+fn page_span(offset: usize, len: usize, page: usize, arena_len: usize) -> (usize, usize) {
+    let start = offset - offset % page;
+    let end = (offset + len)
+        .next_multiple_of(page)
+        .min(arena_len.next_multiple_of(page));
+    (start, end - start)
 }
 
 impl AsRef<[u8]> for SlotBuf {
@@ -220,6 +233,26 @@ mod tests {
         assert!(slot.split_to(SLOT_ALIGN + 1).is_none());
         let head = slot.split_to(100).unwrap();
         assert_eq!((head.as_ref().len(), slot.as_ref().len()), (100, SLOT_ALIGN - 100));
+    }
+
+    #[test]
+    fn prefault_backs_whole_pages_of_any_size() {
+        // 4 KiB pages: the 16 KiB slots are whole pages already.
+        assert_eq!(
+            page_span(3 * SLOT_ALIGN, SLOT_ALIGN, 4096, 8 * SLOT_ALIGN),
+            (3 * SLOT_ALIGN, SLOT_ALIGN)
+        );
+        // 64 KiB pages: a slot inside a page backs the page; one across two, both; never past the mapping.
+        let page = 64 << 10;
+        assert_eq!(page_span(3 * SLOT_ALIGN, SLOT_ALIGN, page, 8 * SLOT_ALIGN), (0, page));
+        assert_eq!(
+            page_span(3 * SLOT_ALIGN, 2 * SLOT_ALIGN, page, 8 * SLOT_ALIGN),
+            (0, 2 * page)
+        );
+        assert_eq!(
+            page_span(5 * SLOT_ALIGN, SLOT_ALIGN, page, 6 * SLOT_ALIGN),
+            (page, page)
+        );
     }
 
     #[test]

@@ -68,6 +68,13 @@ impl ReadAt for PosixFile {
 /// bytes have been read (the tail of an O_DIRECT-aligned read, which may run past the end of the file).
 pub fn read_full(f: &dyn ReadAt, buf: &mut [u8], offset: u64, allow_eof_after: usize) -> io::Result<usize> {
     let mut done = 0;
+    let want = buf.len();
+    let short = |done: usize| {
+        io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            format!("short read: {done} of {want} bytes at offset {offset} (the file ends there)"),
+        )
+    };
     while done < buf.len() {
         match f.read_at(&mut buf[done..], offset + done as u64) {
             // A short read (or none) once every byte needed is in is the end of the file: asking again at the
@@ -76,14 +83,12 @@ pub fn read_full(f: &dyn ReadAt, buf: &mut [u8], offset: u64, allow_eof_after: u
                 done += n;
                 break;
             }
-            Ok(0) => {
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    format!("short read: {done} of {} bytes at offset {offset}", buf.len()),
-                ))
-            }
+            Ok(0) => return Err(short(done)),
             Ok(n) => done += n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            // An aligned direct read that came back short ended at the end of the file (a truncated one): the
+            // retry at the unaligned offset it stopped at is refused, which says less than the short read.
+            Err(e) if done > 0 && e.kind() == io::ErrorKind::InvalidInput => return Err(short(done)),
             Err(e) => return Err(e),
         }
     }
@@ -392,6 +397,11 @@ mod tests {
         let mut buf = vec![0u8; 8192];
         let e = read_full(&DirectFile { len: 4096 }, &mut buf, 0, 5000).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof, "{e}");
+        // A file cut short mid-block (truncated under a server): the short read, not the refused retry, is the
+        // error.
+        let e = read_full(&DirectFile { len: 5000 }, &mut buf, 0, 8192).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof, "{e}");
+        assert!(e.to_string().contains("short read: 5000 of 8192 bytes"), "{e}");
     }
 
     #[test]
