@@ -110,9 +110,9 @@ impl ModelConfig {
         })
     }
 
-    /// Refuses a config without each of `fields` (those an architecture has no default for).
+    /// Refuses a config without each of `fields` (those an architecture has no default for), or with one null.
     pub fn require(&self, fields: &[&str]) -> Result<()> {
-        match fields.iter().find(|f| self.text.get(**f).is_none()) {
+        match fields.iter().find(|f| self.text.get(**f).is_none_or(Value::is_null)) {
             Some(field) => Err(self.error(format!("missing field `{field}`"))),
             None => Ok(()),
         }

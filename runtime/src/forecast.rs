@@ -157,7 +157,8 @@ pub fn size_from_config(config: &ModelConfig, index_total: Option<u64>, opts: &E
                         + mat(&l("shared_expert.down_proj"), h, si)
                         + mat(&l("shared_expert_gate"), 1, h)
                 };
-                all_experts += *e as u64 * record;
+                // Saturating: sizes within the config's limits can still multiply past u64 (a corrupt config).
+                all_experts = all_experts.saturating_add((*e as u64).saturating_mul(record));
                 records += *e as u64;
                 longest = longest.max(record);
                 per_token += mat(&l("gate"), *e, h) + shared.map_or(0, sh);
@@ -190,7 +191,7 @@ pub fn size_from_config(config: &ModelConfig, index_total: Option<u64>, opts: &E
     let mut read = per_token + if d.tie_embeddings { table } else { head } + table / d.vocab.max(1) as u64 + vectors;
     let exact = index_total.is_some();
     if let Some(total) = index_total {
-        let est = resident + all_experts;
+        let est = resident.saturating_add(all_experts);
         if est > 0 {
             let f = total as f64 / est as f64;
             resident = (resident as f64 * f) as u64;
@@ -202,7 +203,7 @@ pub fn size_from_config(config: &ModelConfig, index_total: Option<u64>, opts: &E
     }
     let expert_bytes = all_experts;
     let record = all_experts / (moe_layers * num_experts).max(1) as u64;
-    let mut footprint = crate::models::footprint(&arch, opts.kv_element_bytes(), opts.top_k);
+    let mut footprint = crate::models::footprint(&arch, opts);
     footprint.resident_weights = resident + copies;
     // Planned as the loader plans them: the slots every record would take.
     footprint.expert_bytes = crate::expert_source::slot_arena_bytes(records, longest);

@@ -156,7 +156,9 @@ impl PlanRequest {
             prefill_chunk: opts.prefill_chunk,
             gpu_buffers: opts.backend == BackendKind::Mlx && cfg!(target_os = "macos"),
             logit_rows: opts.logit_rows,
-            threads: rayon::current_num_threads(),
+            threads: opts
+                .threads
+                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
             ..Self::default()
         }
     }

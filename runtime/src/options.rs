@@ -91,6 +91,8 @@ pub struct ExpertOptions {
     /// The most experts per token a forward will route to (`--top-k`; `None`: the model's own), which the
     /// plan sizes a prefill pass's activations for.
     pub top_k: Option<usize>,
+    /// Compute threads (`--threads`; `None`: every core), each of which keeps its own attention scores.
+    pub threads: Option<usize>,
     /// Rows of full-vocabulary logits held at once (`eval`: a window's reference, the head's output and its
     /// copy), which
     /// the plan budgets beside the pass; 0 for generation, which keeps one row.
@@ -162,6 +164,7 @@ impl Default for ExpertOptions {
             prefill_chunk: None,
             kv_cache: KvType::F32,
             top_k: None,
+            threads: None,
             logit_rows: 0,
         }
     }

@@ -150,6 +150,12 @@ fn corrupt_or_missing_sizes_are_clear_errors() {
         None,
     );
     assert!(e.contains("missing field `shared_expert_intermediate_size`"), "{e}");
+    let e = load_error_with(
+        "qwen3_next-q4g64",
+        |c| c["shared_expert_intermediate_size"] = serde_json::Value::Null,
+        None,
+    );
+    assert!(e.contains("missing field `shared_expert_intermediate_size`"), "{e}");
 }
 
 /// A prompt token's routes hold their experts' inputs and outputs: the plan sizes them for the experts per

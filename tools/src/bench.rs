@@ -296,6 +296,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
     let mut opts = a.engine.options()?;
     opts.prefill_chunk = a.prefill.chunk()?;
     opts.top_k = a.top_k;
+    opts.threads = a.threads;
     let started = Instant::now();
     let mut p = Pipeline::load_with(&a.model, &opts).with_context(|| format!("loading {}", a.model.display()))?;
     p.model.check_top_k(a.top_k)?;

@@ -101,6 +101,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
     // Each token's routes hold their experts' inputs and outputs: planned for the most experts evaluated (the
     // default list ends at all of them).
     opts.top_k = Some(most_top_k(a.top_k.as_deref()));
+    opts.threads = a.threads;
     let p = Pipeline::load_with(&a.model, &opts).with_context(|| format!("loading {}", a.model.display()))?;
     let m = &p.model;
     if a.engine.verbose {

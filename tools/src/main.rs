@@ -215,6 +215,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     opts.context = a.context.ctx_size;
     opts.prefill_chunk = prefill_chunk;
     opts.top_k = a.top_k;
+    opts.threads = a.threads;
     let pipeline =
         Pipeline::load_with(&a.model, &opts).with_context(|| format!("loading the model in {}", a.model.display()))?;
     pipeline.model.check_top_k(a.top_k)?;

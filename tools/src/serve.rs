@@ -67,6 +67,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     opts.context = a.context.ctx_size;
     // Requests may lower the experts per token, not raise them: the plan is for the server's.
     opts.top_k = a.top_k;
+    opts.threads = a.threads;
     let addr = listen_addr(&a.host, a.port)?;
     let model_id = a.model_id.clone().unwrap_or_else(|| {
         a.model

@@ -128,6 +128,7 @@ impl EngineArgs {
                 (KvCacheArg::F32, _) | (KvCacheArg::Auto, Kernels::Exact) => KvType::F32,
             },
             top_k: None,
+            threads: None,
             logit_rows: 0,
         })
     }

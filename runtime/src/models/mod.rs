@@ -81,14 +81,7 @@ pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &Expe
     };
     let tiles = expert_tiles(&arch, &layouts, opts);
     let rewrite = tiles.clone().map(|t| t as Arc<dyn expert_store::RecordTransform>);
-    let opened = open_source(
-        &weights,
-        &stacks,
-        store,
-        opts,
-        footprint(&arch, opts.kv_element_bytes(), opts.top_k),
-        rewrite,
-    )?;
+    let opened = open_source(&weights, &stacks, store, opts, footprint(&arch, opts), rewrite)?;
     let (source, memory_plan) = (opened.source, opened.plan);
     let tiles = tiles.filter(|_| opened.rewritten);
     let rewritten = (arch.moe_layers())
@@ -392,10 +385,12 @@ impl DecoderDims {
     }
 }
 
-/// The per-sequence memory a model of this architecture needs: K and V of `kv_bytes` per element for every
-/// full-attention layer, the f32 state and conv history of every linear-attention layer (the current and the
-/// next), and a prompt token's activations in a prefill pass routed to `top_k` experts (`None`: its own).
-pub(crate) fn footprint(arch: &Architecture, kv_bytes: u64, top_k: Option<usize>) -> ModelFootprint {
+/// The per-sequence memory a model of this architecture needs as `opts` runs it: K and V of the backend's
+/// element type for every full-attention layer, the f32 state and conv history of every linear-attention layer
+/// (the current and the next), a prompt token's activations in a prefill pass routed to `--top-k` experts, and
+/// the attention scores a compute thread of the cpu backends keeps (MLX computes attention its own way).
+pub(crate) fn footprint(arch: &Architecture, opts: &ExpertOptions) -> ModelFootprint {
+    let (kv_bytes, top_k) = (opts.kv_element_bytes(), opts.top_k);
     let d = &arch.dims;
     let f32s = 4u64;
     let linear = d.hybrid.as_ref().map_or(0, |h| h.linear.iter().filter(|&&l| l).count());
@@ -413,8 +408,12 @@ pub(crate) fn footprint(arch: &Architecture, kv_bytes: u64, top_k: Option<usize>
         logit_bytes_per_row: d.vocab as u64 * f32s,
         context_length: d.context_length,
         activation_bytes_per_token: activation_floats(arch, top_k.unwrap_or(d.top_k)) as u64 * f32s,
-        score_bytes_per_position: (crate::ops::POSITIONS_PER_TASK * d.attn.heads / d.attn.kv_heads.max(1)) as u64
-            * f32s,
+        score_bytes_per_position: match opts.backend {
+            BackendKind::Mlx => 0,
+            BackendKind::Cpu | BackendKind::Reference => {
+                (crate::ops::POSITIONS_PER_TASK * d.attn.heads / d.attn.kv_heads.max(1)) as u64 * f32s
+            }
+        },
         ..ModelFootprint::default()
     }
 }

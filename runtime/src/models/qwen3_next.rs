@@ -112,9 +112,9 @@ impl Qwen3NextConfig {
 
 /// Describes a `qwen3_next` or `qwen3_5_moe` checkpoint from its config (and its tensors' shapes, when loading).
 pub fn describe(config: &ModelConfig, tensors: Option<&Weights>) -> Result<Architecture> {
-    let c: Qwen3NextConfig = config.typed()?;
     // The MoE kinds always have a shared expert beside the routed ones, as in Hugging Face's and mlx-lm's
-    // blocks: without its size it would be dropped, and the model would load and answer wrong.
+    // blocks: without its size it would be dropped, and the model would load and answer wrong. (Checked first,
+    // so that a missing or null one is named.)
     if config.model_type == "qwen3_next" || config.model_type.starts_with("qwen3_5_moe") {
         config.require(&[
             "num_experts",
@@ -123,6 +123,7 @@ pub fn describe(config: &ModelConfig, tensors: Option<&Weights>) -> Result<Archi
             "shared_expert_intermediate_size",
         ])?;
     }
+    let c: Qwen3NextConfig = config.typed()?;
     if let Some(t) = &c.layer_types {
         if t.len() != c.num_hidden_layers || t.iter().any(|k| k != "linear_attention" && k != "full_attention") {
             return Err(config.error(format!(
