@@ -299,11 +299,17 @@ impl<B: Backend> Model<B> {
             let b = be.rms_norm(&x, &layer.post_norm, self.eps)?;
             let f = match &layer.ffn {
                 Ffn::Dense(mlp) => {
-                    // A dense layer guesses the MoE layers ahead too: else the first after it is never guessed.
-                    let source = self.moe_layers_after(i).next().map(|(_, _, m)| &m.experts);
-                    if let Some(source) = source {
+                    // The dense layer right before the first MoE layer guesses the MoE layers ahead: no MoE layer
+                    // before them would. (Later MoE layers are guessed by the MoE layers before them, whose
+                    // guesses a dense layer's must not replace in the book.)
+                    let is_moe = |l: &DecoderLayer<B>| matches!(l.ffn, Ffn::Moe(_));
+                    let first_moe = match self.layers.get(i + 1).map(|l| &l.ffn) {
+                        Some(Ffn::Moe(m)) if !self.layers[..i].iter().any(is_moe) => Some(m),
+                        _ => None,
+                    };
+                    if let Some(m) = first_moe {
                         for (layer, experts) in self.predict_ahead(i, &x, ks, seqs, decode)? {
-                            source.prefetch(layer, &experts);
+                            m.experts.prefetch(layer, &experts);
                         }
                     }
                     let start = Instant::now();

@@ -94,6 +94,9 @@ impl SamplingParams {
 pub struct Sampler {
     params: SamplingParams,
     rng: StdRng,
+    /// The prompt's distinct tokens, sorted, once a whole-history repetition penalty asked for them (the
+    /// prompt does not change between steps; sorting a 100k-token one at every step would cost milliseconds).
+    prompt_seen: Option<(usize, Vec<u32>)>,
 }
 
 impl Sampler {
@@ -104,35 +107,43 @@ impl Sampler {
             Some(s) => StdRng::seed_from_u64(s),
             None => StdRng::from_entropy(),
         };
-        Ok(Self { params, rng })
+        Ok(Self {
+            params,
+            rng,
+            prompt_seen: None,
+        })
     }
 
     /// Picks the next token from `logits` given the `prompt` and the `generated` tokens so far.
     pub fn sample(&mut self, logits: &[f32], prompt: &[u32], generated: &[u32]) -> u32 {
-        let p = &self.params;
         let mut l = logits.to_vec();
-        if p.repetition_penalty != 1.0 {
-            let all: Vec<u32> = prompt.iter().chain(generated).copied().collect();
-            let start = if p.repeat_last_n == 0 {
-                0
+        if self.params.repetition_penalty != 1.0 {
+            // Each token once: the prompt's (cached) and the output's others, or those of the window.
+            let (from_prompt, rest) = if self.params.repeat_last_n == 0 {
+                let cached = self.prompt_seen.take().filter(|(len, _)| *len == prompt.len());
+                let seen = cached.unwrap_or_else(|| (prompt.len(), distinct(prompt.iter().copied())));
+                let from_prompt = &self.prompt_seen.insert(seen).1;
+                let rest = distinct(
+                    generated
+                        .iter()
+                        .copied()
+                        .filter(|t| from_prompt.binary_search(t).is_err()),
+                );
+                (from_prompt.as_slice(), rest)
             } else {
-                all.len().saturating_sub(p.repeat_last_n)
+                let all = prompt.iter().chain(generated);
+                let skip = (prompt.len() + generated.len()).saturating_sub(self.params.repeat_last_n);
+                (&[][..], distinct(all.skip(skip).copied()))
             };
-            let mut seen = all[start..].to_vec();
-            seen.sort_unstable();
-            seen.dedup();
-            for t in seen {
+            let penalty = self.params.repetition_penalty;
+            for &t in from_prompt.iter().chain(&rest) {
                 if let Some(v) = l.get_mut(t as usize) {
                     // Kept finite: a tiny penalty would overflow a logit to ±inf, and inf − inf is NaN below.
-                    *v = if *v > 0.0 {
-                        *v / p.repetition_penalty
-                    } else {
-                        *v * p.repetition_penalty
-                    }
-                    .clamp(f32::MIN, f32::MAX);
+                    *v = if *v > 0.0 { *v / penalty } else { *v * penalty }.clamp(f32::MIN, f32::MAX);
                 }
             }
         }
+        let p = &self.params;
         if p.frequency_penalty != 0.0 || p.presence_penalty != 0.0 {
             let mut counts = std::collections::HashMap::<u32, f32>::new();
             for &t in generated {
@@ -310,6 +321,14 @@ fn sum(w: &[f32]) -> f64 {
 /// Weight floors tried in turn by [`support`]; the last, 0, takes every token.
 const THRESHOLDS: [f32; 8] = [1e-1, 1e-2, 1e-3, 1e-4, 1e-6, 1e-9, 1e-15, 0.0];
 
+/// `tokens` sorted, each once.
+fn distinct(tokens: impl Iterator<Item = u32>) -> Vec<u32> {
+    let mut v: Vec<u32> = tokens.collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
 /// Index of the largest value (first on ties; NaN never wins unless all are NaN).
 pub fn argmax(x: &[f32]) -> u32 {
     let mut best: Option<usize> = None;
@@ -343,6 +362,29 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(sampler(p).sample(&logits, &[], &[1]), 2);
+    }
+
+    #[test]
+    fn a_whole_history_penalty_reaches_the_prompt_start_and_its_cache_changes_nothing() {
+        let mut logits = vec![0.0f32; 10];
+        (logits[5], logits[6], logits[7]) = (3.0, 2.9, 2.8);
+        let prompt: Vec<u32> = std::iter::once(5).chain([1; 99]).collect();
+        let with = |repeat_last_n| SamplingParams {
+            repetition_penalty: 2.0,
+            repeat_last_n,
+            ..Default::default()
+        };
+        // Token 5 is 100 tokens back: outside a 64-token window, inside the whole history.
+        assert_eq!(sampler(with(64)).sample(&logits, &prompt, &[]), 5);
+        let mut whole = sampler(with(0));
+        assert_eq!(whole.sample(&logits, &prompt, &[]), 6);
+        // Later steps (the prompt's tokens cached) as a fresh sampler's.
+        for generated in [&[6u32][..], &[6, 7], &[6, 7, 6]] {
+            let fresh = sampler(with(0)).sample(&logits, &prompt, generated);
+            assert_eq!(whole.sample(&logits, &prompt, generated), fresh, "{generated:?}");
+        }
+        // 5, 6 and 7 all halved: 5 leads again.
+        assert_eq!(whole.sample(&logits, &prompt, &[6, 7]), 5);
     }
 
     #[test]

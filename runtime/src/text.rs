@@ -189,10 +189,10 @@ impl TextCodec {
     }
 }
 
-/// The current UTC time formatted with the few strftime codes chat templates use.
-/// The `tojson` filter as Hugging Face's templates get it: Python's `json.dumps` (`", "` and `": "` between
-/// items, or `indent` spaces a level; non-ASCII and `<>&` written as they are, where minijinja's own escapes
-/// them for HTML). `indent` may be given by position or by name.
+/// The `tojson` filter as Hugging Face's templates get it: Python's `json.dumps` separators (`", "` and `": "`
+/// between items, or `indent` spaces a level; non-ASCII and `<>&` written as they are, where minijinja's own
+/// escapes them for HTML). `indent` may be given by position or by name. Object keys come out sorted (the
+/// request's JSON is parsed into sorted maps), where Python keeps their order.
 fn tojson(v: JValue, indent: Option<usize>, kwargs: minijinja::value::Kwargs) -> Result<String, JinjaError> {
     let indent = match kwargs.get::<Option<usize>>("indent")? {
         Some(n) => Some(n),
@@ -234,6 +234,7 @@ impl serde_json::ser::Formatter for PythonJson {
     }
 }
 
+/// The current UTC time formatted with the few strftime codes chat templates use.
 fn strftime_now(fmt: &str) -> String {
     let secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -308,21 +309,32 @@ impl StreamDecoder {
         self.ids.push(id);
         let before = codec.decode(&self.ids[self.prefix..self.read])?;
         let now = codec.decode(&self.ids[self.prefix..])?;
-        // A character is at most 4 bytes and a token at least 1: a U+FFFD still there after 4 tokens is the
-        // text's own (or bytes that never form a character), not one in the making, and goes out.
-        let incomplete = now.ends_with('\u{FFFD}') && self.ids.len() - self.read < MAX_CHAR_TOKENS;
-        if now.len() > before.len() && !incomplete {
-            let mut cut = before.len();
-            while !now.is_char_boundary(cut) {
-                cut += 1;
-            }
-            let out = now[cut..].to_string();
-            self.prefix = self.read;
-            self.read = self.ids.len();
-            Ok(out)
-        } else {
-            Ok(String::new())
+        if now.len() > before.len() && !now.ends_with('\u{FFFD}') {
+            return Ok(self.emit(&before, &now, self.ids.len()));
         }
+        // A character is at most 4 bytes and a token at least 1: a U+FFFD held behind 4 tokens is the text's
+        // own (or bytes that never form a character), not one in the making. It goes out with all but the last
+        // 3 tokens, which may be a character's start.
+        if self.ids.len() - self.read >= MAX_CHAR_TOKENS {
+            let upto = self.ids.len() - (MAX_CHAR_TOKENS - 1);
+            let settled = codec.decode(&self.ids[self.prefix..upto])?;
+            if settled.len() > before.len() {
+                return Ok(self.emit(&before, &settled, upto));
+            }
+        }
+        Ok(String::new())
+    }
+
+    /// The text `now` (decoded up to token `upto`) adds to `before`, from a character boundary; the window then
+    /// starts where `before` ended.
+    fn emit(&mut self, before: &str, now: &str, upto: usize) -> String {
+        let mut cut = before.len();
+        while !now.is_char_boundary(cut) {
+            cut += 1;
+        }
+        self.prefix = self.read;
+        self.read = upto;
+        now[cut..].to_string()
     }
 
     /// Text still held back at the end of the sequence (an incomplete character decodes as U+FFFD).
@@ -455,6 +467,36 @@ mod tests {
         std::fs::write(d.path().join("tokenizer.json"), tok.to_string()).unwrap();
         let c = TextCodec::load(d.path(), &[]).unwrap();
         assert_eq!(c.encode("a b a b a", false).unwrap(), vec![0, 1, 0, 1, 0]);
+    }
+
+    /// A byte that never forms a character, then an emoji in byte tokens: the stray byte goes out once 4 tokens
+    /// wait behind it, and the emoji's first bytes stay held until it is whole (a flush of all 4 lost it).
+    #[test]
+    fn a_stray_byte_before_a_split_character_loses_neither() {
+        let d = tempfile::tempdir().unwrap();
+        // GPT-2's byte-level alphabet (Qwen's tokenizers): bytes E4, F0, 9F, 98 and 80.
+        let bytes = ["ä", "ð", "Ł", "ĺ", "Ģ", "<unk>"];
+        let vocab: serde_json::Map<String, Value> = bytes
+            .iter()
+            .enumerate()
+            .map(|(i, b)| (b.to_string(), Value::from(i)))
+            .collect();
+        let decoder = serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false,
+            "use_regex": false});
+        let tok = serde_json::json!({"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": null, "post_processor": null, "decoder": decoder,
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}});
+        std::fs::write(d.path().join("tokenizer.json"), tok.to_string()).unwrap();
+        let c = TextCodec::load(d.path(), &[]).unwrap();
+        let ids = [0, 1, 2, 3, 4];
+        assert_eq!(c.decode(&ids).unwrap(), "\u{FFFD}😀");
+        let (mut dec, mut out) = (StreamDecoder::new(), String::new());
+        for id in ids {
+            out.push_str(&dec.push(&c, id).unwrap());
+        }
+        assert_eq!(out, "\u{FFFD}😀", "streamed");
+        out.push_str(&dec.finish(&c).unwrap());
+        assert_eq!(out, "\u{FFFD}😀");
     }
 
     /// A model writing U+FFFD itself is not held back for good (every token re-decoded the growing window).
