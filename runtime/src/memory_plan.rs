@@ -18,7 +18,8 @@
 //!   23.5 MB per token in passes of 512 and 14.1 in one of 2,048; on a slow disk the first waited on reads
 //!   for 22% of the prefill and the second for 1%).
 //! - **attention scores** = compute threads × the scores one keeps per context position (4 positions × the
-//!   query heads of a key/value head, f32) × the KV budget's tokens: a thread keeps its largest task's.
+//!   query heads of a key/value head, f32) × the KV budget's tokens: a thread keeps its largest task's (the
+//!   cpu backends; none on mlx).
 //! - **room for experts** = limit − resident weights − KV − prefill activations − attention scores − margin.
 //! - `--experts auto` keeps every expert resident when they fit in that room, else streams them.
 //! - A **draft model** and a **prefix cache** take their bytes off the room too (none exist yet), and so do
