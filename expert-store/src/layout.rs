@@ -75,11 +75,11 @@ pub fn read_full(f: &dyn ReadAt, buf: &mut [u8], offset: u64, allow_eof_after: u
             format!("short read: {done} of {want} bytes at offset {offset} (the file ends there)"),
         )
     };
-    while done < buf.len() {
+    while done < want {
         match f.read_at(&mut buf[done..], offset + done as u64) {
             // A short read (or none) once every byte needed is in is the end of the file: asking again at the
             // unaligned offset it stopped at fails under O_DIRECT on filesystems that check alignment first.
-            Ok(n) if done + n >= allow_eof_after && done + n < buf.len() => {
+            Ok(n) if done + n >= allow_eof_after && done + n < want => {
                 done += n;
                 break;
             }

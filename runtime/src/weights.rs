@@ -88,14 +88,16 @@ impl Weights {
     }
 
     /// Whether the checkpoint's tensor `full_name` is the text model's (what a backend reads): not a vision
-    /// tower's, nor a multi-token-prediction head's, which VLM and Hugging Face checkpoints keep beside it.
+    /// tower's, nor a multi-token-prediction head's (`mtp.*`, wherever it sits), which VLM and Hugging Face
+    /// checkpoints keep beside it.
     pub fn is_text_model(&self, full_name: &str) -> bool {
         let under = |p: &str| full_name.starts_with(p);
-        match self.naming {
+        let text = match self.naming {
             Naming::Plain => (under("model.") && !under("model.visual.")) || under("lm_head."),
             Naming::MlxVlm => under(VLM_PREFIX),
             Naming::HfVlm => under(HF_VLM_MODEL) || under("lm_head."),
-        }
+        };
+        text && !full_name.contains(".mtp.")
     }
 
     /// Whether tensor `path` exists.

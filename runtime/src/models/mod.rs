@@ -254,10 +254,9 @@ fn described(config: &ModelConfig, tensors: Option<&Weights>) -> Result<Architec
 /// What the checkpoint's `model_type` says its layers are, its sizes checked, and checked against its tensors'
 /// names.
 pub(crate) fn describe(w: &Weights) -> Result<Architecture> {
-    // The multi-token-prediction head (`mtp.*`, which nothing here reads) keeps its experts one by one even in
-    // checkpoints whose decoder stacks them (Hugging Face's Qwen3.5 and Qwen3-Next).
-    let read = |n: &&str| !(n.starts_with("mtp.") || n.contains(".mtp."));
-    if w.checkpoint().names().filter(read).any(|n| n.contains(".experts.0.")) {
+    // Only what is read: the multi-token-prediction head keeps its experts one by one even in checkpoints whose
+    // decoder stacks them (Hugging Face's Qwen3.5 and Qwen3-Next).
+    if (w.checkpoint().names()).any(|n| w.is_text_model(n) && n.contains(".experts.0.")) {
         return Err(ModelError::BadTensor {
             name: "*.experts.0.*".into(),
             message: "per-expert (Hugging Face) layout is not supported yet; convert with `mlx_lm.convert`".into(),
