@@ -39,6 +39,8 @@ pub struct BenchArgs {
     text: Option<PathBuf>,
     #[command(flatten)]
     prefill: crate::PrefillArgs,
+    #[command(flatten)]
+    context: crate::ContextArgs,
     /// Experts per token (default: the model's own).
     #[arg(long, env = "SLUICE_TOP_K")]
     top_k: Option<usize>,
@@ -297,6 +299,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
     opts.prefill_chunk = a.prefill.chunk()?;
     opts.top_k = a.top_k;
     opts.threads = a.threads;
+    opts.context = a.context.ctx_size;
     let started = Instant::now();
     let mut p = Pipeline::load_with(&a.model, &opts).with_context(|| format!("loading {}", a.model.display()))?;
     p.model.check_top_k(a.top_k)?;

@@ -136,7 +136,7 @@ fn main() -> Result<()> {
     }
 }
 
-/// The context limit (generate, serve, doctor).
+/// The context limit (generate, serve, doctor, bench).
 #[derive(clap::Args, Clone, Copy, Debug)]
 pub(crate) struct ContextArgs {
     /// Context limit in tokens, prompt and completion together; the KV budget is planned for it (default: the

@@ -13,12 +13,13 @@ use sluice_runtime::{convert_model, BackendKind, ExpertMode, ExpertOptions, IoMo
 #[derive(Args, Clone, Debug)]
 pub struct EngineArgs {
     /// Where experts live: `auto` (resident when they fit beside everything else in available memory, else
-    /// streamed), `resident` or `stream`. Setting --expert-cache implies `stream` under `auto`.
+    /// streamed), `resident`, `stream` or `mmap` (read in place through the page cache). Setting
+    /// --expert-cache implies `stream` under `auto`.
     #[arg(long, default_value = "auto", env = "SLUICE_EXPERTS")]
     pub experts: ExpertMode,
     /// Budget of the expert slot cache when streaming: bytes or a size like 512M, 1MB, 4GiB
-    /// (default: all the memory left for experts once resident weights, KV, draft, prefix cache and a margin
-    /// are counted; `-v` prints that plan).
+    /// (default: all the memory left for experts once resident weights, KV, activations and a margin are
+    /// counted; `-v` prints that plan).
     #[arg(long, value_parser = sluice_runtime::parse_size, env = "SLUICE_EXPERT_CACHE")]
     pub expert_cache: Option<u64>,
     /// Expert records read at once (I/O threads); a record read in place from a checkpoint reads its tensors

@@ -345,6 +345,22 @@ fn doctor_sizes_plans_and_forecasts_from_a_config() {
         "1",
     ]);
     assert!(err.contains("exceed the context limit"), "{err}");
+    // The limit is bench's own `--ctx-size`, as the message says (the flag was only generate's, serve's and
+    // doctor's, so following the hint failed to parse).
+    let err = fails(&[
+        "bench",
+        "-m",
+        model.to_str().unwrap(),
+        "-p",
+        "8",
+        "-n",
+        "4",
+        "--ctx-size",
+        "10",
+        "--probe-seconds",
+        "0",
+    ]);
+    assert!(err.contains("context limit of 10 tokens (--ctx-size)"), "{err}");
 }
 
 /// `bench --text` asks for as many tokens as its runs are fed: one run's for `cold`, two for a warm run (a
