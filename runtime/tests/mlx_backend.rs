@@ -260,3 +260,41 @@ fn mlx_buffer_cache_is_held_to_half_the_margin() {
     mlx_rs::memory::set_cache_limit(limit).unwrap();
     assert_eq!(limit as u64, m.memory_plan.margin / 2);
 }
+
+/// YaRN on a partial-rotary model (the qwen3_next fixture rotates 16 of its 64 head dims) scales only the
+/// rotated dims on mlx, as mlx-lm's `YarnRoPE` and the cpu backend do: mlx refused every forward of such a model.
+#[test]
+fn mlx_yarn_on_partial_rotary_dims_matches_cpu() {
+    let src = common::fixture("qwen3_next-q4g64");
+    let dir = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(&src).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, dir.path().join(p.file_name().unwrap())).unwrap();
+    }
+    let cfg_path = dir.path().join("config.json");
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["rope_scaling"] =
+        serde_json::json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256});
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let g: Golden = serde_json::from_str(&std::fs::read_to_string(dir.path().join("golden.json")).unwrap()).unwrap();
+    let cpu = trace(
+        &load(dir.path(), BackendKind::Cpu, ExpertMode::Mmap, None),
+        &g.prompt_ids,
+        8,
+    );
+    let plain = trace(&load(&src, BackendKind::Cpu, ExpertMode::Mmap, None), &g.prompt_ids, 8);
+    assert!(
+        cpu.0 != plain.0,
+        "the scaling changed nothing: the test would not see it"
+    );
+    let mlx = trace(
+        &load(dir.path(), BackendKind::Mlx, ExpertMode::Mmap, None),
+        &g.prompt_ids,
+        8,
+    );
+    assert_close("yarn prefill", &mlx.0, &cpu.0);
+    assert_eq!(mlx.1, cpu.1, "greedy tokens");
+    for (i, (a, b)) in mlx.2.iter().zip(&cpu.2).enumerate() {
+        assert_close(&format!("yarn step {i}"), a, b);
+    }
+}

@@ -214,11 +214,15 @@ struct Common {
     stream_options: Option<StreamOptions>,
     max_tokens: Option<i64>,
     max_completion_tokens: Option<i64>,
+    /// llama.cpp's name for `max_tokens` (its OpenAI endpoints read it too); -1 there means no limit.
+    n_predict: Option<i64>,
     temperature: Option<f32>,
     top_p: Option<f32>,
     top_k: Option<i64>,
     min_p: Option<f32>,
     repetition_penalty: Option<f32>,
+    /// llama.cpp's name for `repetition_penalty`.
+    repeat_penalty: Option<f32>,
     frequency_penalty: Option<f32>,
     presence_penalty: Option<f32>,
     /// An integer; a negative one (llama.cpp's -1) asks for a random seed.
@@ -252,6 +256,19 @@ struct Common {
     modalities: Option<Value>,
     audio: Option<Value>,
     prediction: Option<Value>,
+    repeat_last_n: Option<Value>,
+    typical_p: Option<Value>,
+    mirostat: Option<Value>,
+    dry_multiplier: Option<Value>,
+    xtc_probability: Option<Value>,
+    bad_words: Option<Value>,
+    allowed_token_ids: Option<Value>,
+    structured_outputs: Option<Value>,
+    truncate_prompt_tokens: Option<Value>,
+    skip_special_tokens: Option<Value>,
+    add_generation_prompt: Option<Value>,
+    continue_final_message: Option<Value>,
+    chat_template: Option<Value>,
     /// sluice extension: experts per token for this request (at most the server's `--top-k`).
     expert_top_k: Option<i64>,
     /// Extension (as in vLLM): keep generating past end-of-sequence tokens.
@@ -311,7 +328,8 @@ impl Common {
         let asked =
             |v: &Option<Value>, off: &dyn Fn(&Value) -> bool| v.as_ref().is_some_and(|v| !(v.is_null() || off(v)));
         let none = |v: &Value| v.as_array().is_some_and(|a| a.is_empty()) || v.as_str() == Some("");
-        let fields: [(&'static str, bool); 22] = [
+        let number = |want: f64| move |v: &Value| v.as_f64() == Some(want);
+        let fields: [(&'static str, bool); 35] = [
             ("guided_json", asked(&self.guided_json, &none)),
             ("guided_regex", asked(&self.guided_regex, &none)),
             ("guided_choice", asked(&self.guided_choice, &none)),
@@ -351,6 +369,31 @@ impl Common {
                 "function_call",
                 asked(&self.function_call, &|v| matches!(v.as_str(), Some("none" | "auto"))),
             ),
+            // llama.cpp's samplers; its -1 window is the whole history, which the server's penalty covers.
+            ("repeat_last_n", asked(&self.repeat_last_n, &number(-1.0))),
+            ("typical_p", asked(&self.typical_p, &number(1.0))),
+            ("mirostat", asked(&self.mirostat, &number(0.0))),
+            ("dry_multiplier", asked(&self.dry_multiplier, &number(0.0))),
+            ("xtc_probability", asked(&self.xtc_probability, &number(0.0))),
+            // vLLM's.
+            ("bad_words", asked(&self.bad_words, &none)),
+            ("allowed_token_ids", asked(&self.allowed_token_ids, &none)),
+            ("structured_outputs", asked(&self.structured_outputs, &none)),
+            ("truncate_prompt_tokens", asked(&self.truncate_prompt_tokens, &none)),
+            (
+                "skip_special_tokens",
+                asked(&self.skip_special_tokens, &|v| v == &Value::Bool(true)),
+            ),
+            // How the chat template is rendered: a new assistant turn from the server's own template.
+            (
+                "add_generation_prompt",
+                asked(&self.add_generation_prompt, &|v| v == &Value::Bool(true)),
+            ),
+            (
+                "continue_final_message",
+                asked(&self.continue_final_message, &|v| v == &Value::Bool(false)),
+            ),
+            ("chat_template", asked(&self.chat_template, &none)),
         ];
         match fields.into_iter().find(|&(_, asked)| asked) {
             Some((field, _)) => Err(ApiError::bad(format!("{field} is not supported yet"), Some(field))),
@@ -371,7 +414,7 @@ impl Common {
     }
 
     /// Checks the fields and builds generation settings.
-    fn params(&self, st: &AppState, l: &Loaded) -> Result<GenerateParams, ApiError> {
+    fn params(&self, st: &AppState, l: &Loaded, chat: bool) -> Result<GenerateParams, ApiError> {
         if let Some(m) = &self.model {
             if m != &st.model_id {
                 return Err(ApiError::model_not_found(m, &st.model_id));
@@ -399,13 +442,22 @@ impl Common {
                 ));
             }
         }
-        // Left out, a reply runs to its end-of-sequence token or the context's end, as OpenAI's chat API and
-        // llama.cpp's server run it (a fixed default cut agents' replies, and a thinking model's, short).
-        let max = (self.max_completion_tokens.or(self.max_tokens)).unwrap_or(l.context_length as i64);
+        // Left out, a chat reply runs to its end-of-sequence token or the context's end, as OpenAI's chat API
+        // and llama.cpp's server run it (a fixed default cut agents' replies, and a thinking model's, short); a
+        // text completion gets 16 tokens, as OpenAI's legacy completions and vLLM give it. llama.cpp's
+        // `n_predict` counts when the OpenAI names are absent, its -1 (no limit) as left out.
+        let n_predict = self.n_predict.filter(|&n| n != -1);
+        let default = if chat {
+            l.context_length as i64
+        } else {
+            16.min(l.context_length as i64)
+        };
+        let max = (self.max_completion_tokens.or(self.max_tokens).or(n_predict)).unwrap_or(default);
         if max < 1 || max as u64 > l.context_length as u64 {
-            let field = match self.max_completion_tokens {
-                Some(_) => "max_completion_tokens",
-                None => "max_tokens",
+            let field = match (self.max_completion_tokens, self.max_tokens) {
+                (Some(_), _) => "max_completion_tokens",
+                (None, Some(_)) => "max_tokens",
+                _ => "n_predict",
             };
             return Err(ApiError::bad(
                 format!("{field} must be between 1 and the context length {}", l.context_length),
@@ -432,7 +484,7 @@ impl Common {
             top_p: self.top_p.unwrap_or(1.0),
             top_k,
             min_p: self.min_p.unwrap_or(0.0),
-            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            repetition_penalty: self.repetition_penalty.or(self.repeat_penalty).unwrap_or(1.0),
             // Over the whole prompt and output, as vLLM and Hugging Face apply it (the window is the CLI's).
             repeat_last_n: 0,
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
@@ -564,7 +616,14 @@ async fn chat_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiErr
             ));
         }
         let text = match &m.content {
-            None => String::new(),
+            // Only an assistant turn may leave its content out (OpenAI's rule: it carries tool calls then).
+            None if m.role == "assistant" => String::new(),
+            None => {
+                return Err(ApiError::bad(
+                    format!("a `{}` message needs content", m.role),
+                    Some("messages"),
+                ))
+            }
             Some(Content::Text(t)) => t.clone(),
             Some(Content::Parts(parts)) => {
                 // One line each, as vLLM joins them: parts run together would merge their words.
@@ -605,7 +664,7 @@ async fn chat_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiErr
             ))
         }
     };
-    let params = body.common.params(st, l)?;
+    let params = body.common.params(st, l, true)?;
     run(l, &st.model_id, prompt, params, &body.common, true).await
 }
 
@@ -615,8 +674,16 @@ async fn completions_inner(st: &Arc<AppState>, req: Request) -> Result<Response,
     let prompt = match &body.prompt {
         Value::String(s) => Prompt::Raw(s.clone()),
         Value::Array(a) if a.len() == 1 && a[0].is_string() => Prompt::Raw(a[0].as_str().unwrap_or("").into()),
-        Value::Array(a) if !a.is_empty() && a.iter().all(|v| v.as_u64().is_some_and(|x| x <= u32::MAX as u64)) => {
-            Prompt::Tokens(a.iter().filter_map(Value::as_u64).map(|x| x as u32).collect())
+        Value::Array(a) if token_ids(a).is_some() => Prompt::Tokens(token_ids(a).unwrap_or_default()),
+        // One list of token ids in a list (lm-evaluation-harness sends its prompts so).
+        Value::Array(a) if a.len() == 1 && a[0].as_array().and_then(|t| token_ids(t)).is_some() => {
+            Prompt::Tokens(a[0].as_array().and_then(|t| token_ids(t)).unwrap_or_default())
+        }
+        Value::Array(a) if a.len() > 1 && a.iter().all(|v| v.is_string() || v.is_array()) => {
+            return Err(ApiError::bad(
+                "one prompt per request: a list of several prompts is not supported yet",
+                Some("prompt"),
+            ))
         }
         _ => {
             return Err(ApiError::bad(
@@ -625,8 +692,17 @@ async fn completions_inner(st: &Arc<AppState>, req: Request) -> Result<Response,
             ))
         }
     };
-    let params = body.common.params(st, l)?;
+    let params = body.common.params(st, l, false)?;
     run(l, &st.model_id, prompt, params, &body.common, false).await
+}
+
+/// A non-empty list of token ids (each within u32), else `None`.
+fn token_ids(a: &[Value]) -> Option<Vec<u32>> {
+    let ids: Option<Vec<u32>> = a
+        .iter()
+        .map(|v| v.as_u64().and_then(|x| u32::try_from(x).ok()))
+        .collect();
+    ids.filter(|ids| !ids.is_empty())
 }
 
 /// Queues the job, waits for it to start (errors before the first token become HTTP errors), then answers
@@ -662,6 +738,8 @@ async fn run(
     let prompt_tokens = match rx.recv().await {
         Some(Event::Started { prompt_tokens }) => prompt_tokens,
         Some(Event::Failed(e)) => return Err(ApiError::from_model(e, chat)),
+        // The engine thread ended with this job queued (the queue is cleared then): as `/health` says.
+        None if l.engine.stopped() => return Err(ApiError::engine_stopped()),
         _ => {
             return Err(ApiError::with(
                 StatusCode::INTERNAL_SERVER_ERROR,

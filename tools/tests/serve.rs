@@ -457,6 +457,17 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
             "max_completion_tokens",
         ),
         (json!({"prompt": "x", "reasoning_effort": "high"}), "reasoning_effort"),
+        // Other servers' fields that change the output are refused, not ignored.
+        (json!({"prompt": "x", "typical_p": 0.5}), "typical_p"),
+        (json!({"prompt": "x", "repeat_last_n": 64}), "repeat_last_n"),
+        (
+            json!({"prompt": "x", "skip_special_tokens": false}),
+            "skip_special_tokens",
+        ),
+        (json!({"prompt": "x", "n_predict": 0}), "n_predict"),
+        // Several prompts in one request.
+        (json!({"prompt": [[1, 2], [3]]}), "prompt"),
+        (json!({"prompt": ["a", "b"]}), "prompt"),
     ] {
         let (st, v) = post(&s, "/v1/completions", &body);
         assert_eq!((st, &v["error"]["param"]), (400, &json!(param)), "{v}");
@@ -468,6 +479,27 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
     ] {
         let (st, v) = post(&s, "/v1/chat/completions", &body);
         let param = "chat_template_kwargs";
+        assert_eq!((st, &v["error"]["param"]), (400, &json!(param)), "{v}");
+    }
+    let user = json!([{"role": "user", "content": "x"}]);
+    for (body, param) in [
+        (
+            json!({"messages": user, "add_generation_prompt": false}),
+            "add_generation_prompt",
+        ),
+        (
+            json!({"messages": user, "continue_final_message": true}),
+            "continue_final_message",
+        ),
+        (json!({"messages": user, "chat_template": "{{ 1 }}"}), "chat_template"),
+        // Only an assistant turn may leave its content out.
+        (json!({"messages": [{"role": "user"}]}), "messages"),
+        (
+            json!({"messages": [{"role": "system", "content": null}, {"role": "user", "content": "x"}]}),
+            "messages",
+        ),
+    ] {
+        let (st, v) = post(&s, "/v1/chat/completions", &body);
         assert_eq!((st, &v["error"]["param"]), (400, &json!(param)), "{v}");
     }
     for (path, body, status, msg) in cases {
@@ -485,7 +517,8 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
     assert_eq!(st, 200);
     // Those fields' "off" values, which clients send by default, pass; so do 16 stop strings of 512 bytes.
     let off = json!({"prompt": "x", "max_tokens": 2, "logprobs": false, "top_logprobs": null, "logit_bias": {},
-        "echo": false, "best_of": 1, "tool_choice": "auto", "stop": vec!["s".repeat(512); 16]});
+        "echo": false, "best_of": 1, "tool_choice": "auto", "stop": vec!["s".repeat(512); 16], "typical_p": 1,
+        "mirostat": 0, "repeat_last_n": -1, "skip_special_tokens": true, "n_predict": -1, "bad_words": []});
     let (st, v) = post(&s, "/v1/completions", &off);
     assert_eq!(st, 200, "{v}");
     // A token id outside the vocabulary is a bad prompt, not a context overflow.
@@ -590,9 +623,10 @@ fn the_context_limit_is_the_one_the_kv_budget_is_planned_for() {
     let chat = json!({"messages": [{"role": "user", "content": long}], "max_tokens": 2});
     let (st, v) = post(&s, "/v1/chat/completions", &chat);
     assert_eq!((st, &v["error"]["param"]), (400, &json!("messages")), "{v}");
-    // Without max_tokens a reply runs to the context's end: once 48 positions are filled, the token sampled
-    // from the last is the last one.
-    let (st, v) = post(&s, "/v1/completions", &json!({"prompt": "x", "ignore_eos": true}));
+    // Without max_tokens a chat reply runs to the context's end: once 48 positions are filled, the token
+    // sampled from the last is the last one.
+    let chat = json!({"messages": [{"role": "user", "content": "x"}], "ignore_eos": true});
+    let (st, v) = post(&s, "/v1/chat/completions", &chat);
     assert_eq!(st, 200, "{v}");
     assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
     let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
@@ -611,15 +645,49 @@ fn the_context_limit_is_the_one_the_kv_budget_is_planned_for() {
     assert_eq!(v["usage"]["completion_tokens"].as_u64().unwrap(), 49 - prompt, "{v}");
 }
 
-/// A reply without `max_tokens` is not cut at a fixed length (it was 256): it runs to the context's end.
+/// A chat reply without `max_tokens` is not cut at a fixed length (it was 256): it runs to the context's end. A
+/// text completion without one gets OpenAI's and vLLM's 16 tokens (it ran to the context's end too), or
+/// llama.cpp's `n_predict`.
 #[test]
 fn a_reply_without_max_tokens_runs_to_the_end_of_the_context() {
     let s = start(&["--ctx-size", "400"]);
-    let (st, v) = post(&s, "/v1/completions", &json!({"prompt": "x", "ignore_eos": true}));
+    let chat = json!({"messages": [{"role": "user", "content": "x"}], "ignore_eos": true});
+    let (st, v) = post(&s, "/v1/chat/completions", &chat);
     assert_eq!(st, 200, "{v}");
     assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
     let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
     assert_eq!(v["usage"]["completion_tokens"].as_u64().unwrap(), 401 - prompt, "{v}");
+    for (body, want) in [
+        (json!({"prompt": "x", "ignore_eos": true}), 16),
+        (json!({"prompt": "x", "ignore_eos": true, "n_predict": 5}), 5),
+        (
+            json!({"prompt": "x", "ignore_eos": true, "n_predict": 5, "max_tokens": 3}),
+            3,
+        ),
+    ] {
+        let (st, v) = post(&s, "/v1/completions", &body);
+        assert_eq!(st, 200, "{v}");
+        assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], want, "{body}: {v}");
+    }
+    // One list of token ids in a list is that prompt (lm-evaluation-harness's form).
+    let flat = post(
+        &s,
+        "/v1/completions",
+        &json!({"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}),
+    );
+    let nested = post(
+        &s,
+        "/v1/completions",
+        &json!({"prompt": [[1, 2, 3]], "max_tokens": 4, "temperature": 0}),
+    );
+    assert_eq!(flat.0, 200, "{}", flat.1);
+    assert_eq!(
+        flat.1["choices"][0]["text"], nested.1["choices"][0]["text"],
+        "{}",
+        nested.1
+    );
+    assert_eq!(flat.1["usage"], nested.1["usage"]);
 }
 
 #[test]

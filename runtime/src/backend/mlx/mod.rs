@@ -262,11 +262,18 @@ impl Backend for MlxBackend {
     }
 
     fn rope(&self, x: &Array, rope: &Rope, head_dim: usize, spans: &[SeqSpan]) -> Result<Array> {
-        if rope.mscale != 1.0 && rope.dims != head_dim {
-            return Err(bad(
-                "YaRN magnitude scaling on partial rotary dims is not implemented on mlx",
-            ));
-        }
+        // YaRN's magnitude scale applies to the rotated dims only (as mlx-lm's `YarnRoPE` and the cpu backend
+        // scale them): with partial rotary, a per-column factor, 1 past the rotated prefix.
+        let mscale = (rope.mscale != 1.0).then(|| {
+            if rope.dims == head_dim {
+                scalar(rope.mscale)
+            } else {
+                let cols: Vec<f32> = (0..head_dim)
+                    .map(|c| if c < rope.dims { rope.mscale } else { 1.0 })
+                    .collect();
+                f32s(&cols, &[head_dim as i32])
+            }
+        });
         let freqs: Vec<f32> = rope.inv_freq.iter().map(|f| (1.0 / f) as f32).collect();
         let freqs = f32s(&freqs, &[freqs.len() as i32]);
         let cols = x.shape()[1];
@@ -275,8 +282,8 @@ impl Backend for MlxBackend {
         for s in spans {
             let n = s.len() as i32;
             let mut a = heads_first(&rows(x, &s.rows), n, heads, d)?;
-            if rope.mscale != 1.0 {
-                a = a.multiply(scalar(rope.mscale)).map_err(err)?;
+            if let Some(m) = &mscale {
+                a = a.multiply(m).map_err(err)?;
             }
             let r = mlx_rs::fast::rope(a, rope.dims as i32, rope.traditional, None, 1.0, s.pos0 as i32, &freqs)
                 .map_err(err)?;
