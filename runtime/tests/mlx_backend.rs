@@ -298,3 +298,21 @@ fn mlx_yarn_on_partial_rotary_dims_matches_cpu() {
         assert_close(&format!("yarn step {i}"), a, b);
     }
 }
+
+/// A model loaded on one thread computes on another (the server loads on a blocking task and generates on its
+/// engine thread): nothing built at load may be a lazy MLX op, whose stream belongs to the loading thread. A
+/// bf16 checkpoint's dense matrices were uploaded as a lazy transpose, so every forward of one failed there.
+#[test]
+fn mlx_model_loaded_on_one_thread_computes_on_another() {
+    for name in ["qwen3_moe-bf16", "qwen3_next-bf16", "qwen3_moe-q4g64-overrides"] {
+        let dir = common::fixture(name);
+        let g: Golden = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+        let want = trace(&load(&dir, BackendKind::Cpu, ExpertMode::Mmap, None), &g.prompt_ids, 4);
+        let m = load(&dir, BackendKind::Mlx, ExpertMode::Mmap, None);
+        let got = std::thread::spawn(move || trace(&m, &g.prompt_ids, 4))
+            .join()
+            .unwrap_or_else(|_| panic!("{name}: the forward on another thread failed"));
+        assert_close(&format!("{name} prefill"), &got.0, &want.0);
+        assert_eq!(got.1, want.1, "{name}: greedy tokens");
+    }
+}

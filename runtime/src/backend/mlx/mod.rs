@@ -203,8 +203,15 @@ impl Backend for MlxBackend {
 
     fn new_recurrent(&self, s: DeltaShape) -> MlxRecurrent {
         MlxRecurrent {
-            hist: Array::zeros::<f32>(&[s.kernel as i32 - 1, s.conv_dim() as i32]).expect("zeros"),
-            state: Array::zeros::<f32>(&[s.v_heads as i32, s.v_dim as i32, s.k_dim as i32]).expect("zeros"),
+            // Data, not a lazy `zeros`, whose stream would be this thread's (a cache may be used on another).
+            hist: f32s(
+                &vec![0f32; (s.kernel - 1) * s.conv_dim()],
+                &[s.kernel as i32 - 1, s.conv_dim() as i32],
+            ),
+            state: f32s(
+                &vec![0f32; s.v_heads * s.v_dim * s.k_dim],
+                &[s.v_heads as i32, s.v_dim as i32, s.k_dim as i32],
+            ),
             next: None,
         }
     }

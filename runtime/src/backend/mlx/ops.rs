@@ -81,7 +81,15 @@ pub(super) fn upload_linear(
         WeightFormat::Dense(ft) => {
             let mut v = vec![0f32; rows * cols];
             ft.to_f32(&parts[0], 0, &mut v);
-            let wt = f32s(&v, &[r, c]).transpose_axes(&[1, 0]).map_err(err)?;
+            // Transposed here, not by MLX: a lazy op would belong to the loading thread's stream, and the
+            // server computes on its engine thread (MLX: "no Stream(…) in current thread").
+            let mut t = vec![0f32; rows * cols];
+            for (i, row) in v.chunks_exact(cols.max(1)).enumerate() {
+                for (j, &x) in row.iter().enumerate() {
+                    t[j * rows + i] = x;
+                }
+            }
+            let wt = f32s(&t, &[c, r]);
             Ok(MlxLinear::Dense { wt, bias })
         }
         WeightFormat::Affine {
