@@ -19,7 +19,8 @@
 //!   for 22% of the prefill and the second for 1%).
 //! - **attention scores** = compute threads × the scores one keeps per context position (4 positions × the
 //!   query heads of a key/value head, f32) × the KV budget's tokens: a thread keeps its largest task's (the
-//!   cpu backends; none on mlx).
+//!   cpu backends). On mlx, 3 × 64 MiB: MLX's unfused attention holds a query block's scores, their masked
+//!   copy and their softmax, and the backend cuts a prompt's chunk into blocks of at most 64 MiB of scores.
 //! - **room for experts** = limit − resident weights − KV − prefill activations − attention scores − margin.
 //! - `--experts auto` keeps every expert resident when they fit in that room, else streams them.
 //! - A **draft model** and a **prefix cache** take their bytes off the room too (none exist yet), and so do
@@ -119,6 +120,8 @@ pub struct ModelFootprint {
     /// Attention scores one compute thread keeps per position of the context (f32, for the positions of one
     /// task and the query heads of one key/value head).
     pub score_bytes_per_position: u64,
+    /// Attention scores held at once whatever the context (the mlx backend's query blocks).
+    pub score_bytes_bounded: u64,
 }
 
 /// What the user asked for.
@@ -248,7 +251,8 @@ impl MemoryPlan {
         let threads = req.threads.max(1);
         let attention_scores = (model.score_bytes_per_position)
             .saturating_mul(kv_tokens as u64)
-            .saturating_mul(threads as u64);
+            .saturating_mul(threads as u64)
+            .saturating_add(model.score_bytes_bounded);
         let before_prefill = limit
             .saturating_sub(model.resident_weights)
             .saturating_sub(logits)
@@ -402,7 +406,17 @@ impl fmt::Display for MemoryPlan {
             gib(self.prefill_activations),
             self.prefill_chunk
         )?;
-        if self.attention_scores > 0 {
+        if self.model.score_bytes_bounded > 0 {
+            let (block, copies) = (
+                crate::backend::MLX_SCORE_BLOCK_BYTES >> 20,
+                crate::backend::MLX_SCORE_COPIES,
+            );
+            writeln!(
+                f,
+                "  attention scores {:>11} (query blocks of at most {block} MiB of scores, {copies} alive)",
+                gib(self.attention_scores)
+            )?;
+        } else if self.attention_scores > 0 {
             writeln!(
                 f,
                 "  attention scores {:>11} ({} threads over {} tokens)",
@@ -459,6 +473,7 @@ mod tests {
             activation_bytes_per_token: (3 * 3072 + 256 + 8 * (2 * 3072 + 2 * 1024) + 3 * 1024 + 1) * 4,
             // 4 positions × 16 query heads per key/value head, f32.
             score_bytes_per_position: 4 * 16 * 4,
+            score_bytes_bounded: 0,
         }
     }
 
@@ -536,6 +551,7 @@ mod tests {
             context_length: 40960,
             activation_bytes_per_token: 200_000,
             score_bytes_per_position: 4 * 8 * 4,
+            score_bytes_bounded: 0,
         };
         // Logits a command holds beside the pass (`eval`'s) take their bytes off the room, and count.
         let plain = MemoryPlan::new(machine, small, &PlanRequest::default());

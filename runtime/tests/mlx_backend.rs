@@ -316,3 +316,43 @@ fn mlx_model_loaded_on_one_thread_computes_on_another() {
         assert_eq!(got.1, want.1, "{name}: greedy tokens");
     }
 }
+
+/// A prompt's chunk whose attention scores would pass the block budget is computed in query blocks (each seeing
+/// the keys up to its last row), with the logits of the chunk in one block, in a first chunk and in one after a
+/// cached prefix; the memory plan counts the blocks' scores.
+#[test]
+fn mlx_prompt_attention_in_query_blocks_matches_one_block() {
+    use sluice_runtime::backend::mlx::with_score_block_bytes;
+    for name in ["qwen3_moe-q4g64", "qwen3_next-q4g64"] {
+        let dir = common::fixture(name);
+        let config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+        let heads = config["num_attention_heads"].as_u64().unwrap();
+        let m = load(&dir, BackendKind::Mlx, ExpertMode::Mmap, None);
+        let g: Golden = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+        let prompt: Vec<u32> = g.prompt_ids.iter().cycle().take(40).copied().collect();
+        // Two chunks: 24 tokens, then 16 after them; all logits of both.
+        let run = || {
+            let mut cache = m.new_cache();
+            let all = ForwardOptions {
+                all_logits: true,
+                ..Default::default()
+            };
+            let mut logits = m.forward(&prompt[..24], &mut cache, &all).unwrap();
+            logits.extend(m.forward(&prompt[24..], &mut cache, &all).unwrap());
+            logits
+        };
+        let whole = run();
+        // 3 query rows a block at 40 keys (fewer keys in the first chunk: more rows, still several blocks).
+        let blocked = with_score_block_bytes(3 * heads * 40 * 4, run);
+        assert_close(&format!("{name} blocked prompt"), &blocked, &whole);
+        let v = m.info.vocab_size;
+        for (i, (a, b)) in blocked.chunks(v).zip(whole.chunks(v)).enumerate() {
+            assert_eq!(argmax(a), argmax(b), "{name}: position {i}");
+        }
+        assert_eq!(
+            m.memory_plan.attention_scores,
+            sluice_runtime::backend::MLX_SCORE_COPIES * sluice_runtime::backend::MLX_SCORE_BLOCK_BYTES
+        );
+    }
+}

@@ -22,6 +22,17 @@ use crate::linear::Linear;
 use crate::ops::{AttnShape, Rope};
 use crate::weights::ExpertLayout;
 
+/// At most this many bytes of f32 attention scores per query block of a prompt's chunk on the mlx backend. MLX
+/// computes attention through a fused kernel only for some head sizes (and only on Metal); otherwise it builds
+/// the whole score matrix `[heads, queries, keys]`, which for a 2048-token chunk at 32k positions of Qwen3-Next
+/// (16 heads of 256) is 4 GiB. Blocks of queries keep it to this; the memory plan counts
+/// [`MLX_SCORE_COPIES`] of it.
+pub const MLX_SCORE_BLOCK_BYTES: u64 = 64 << 20;
+
+/// Score matrices of a block alive at once in MLX's unfused attention (the scores, their masked copy and the
+/// softmax), as the memory plan counts them.
+pub const MLX_SCORE_COPIES: u64 = 3;
+
 /// The rows of one sequence in a batch, and the position of its first row.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SeqSpan {

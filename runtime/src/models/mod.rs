@@ -413,6 +413,10 @@ pub(crate) fn footprint(arch: &Architecture, opts: &ExpertOptions) -> ModelFootp
                 (crate::ops::POSITIONS_PER_TASK * d.attn.heads / d.attn.kv_heads.max(1)) as u64 * f32s
             }
         },
+        score_bytes_bounded: match opts.backend {
+            BackendKind::Mlx => crate::backend::MLX_SCORE_COPIES * crate::backend::MLX_SCORE_BLOCK_BYTES,
+            BackendKind::Cpu | BackendKind::Reference => 0,
+        },
         ..ModelFootprint::default()
     }
 }

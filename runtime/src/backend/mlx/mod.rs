@@ -47,6 +47,27 @@ pub struct MlxKv {
 /// Positions the mlx KV cache grows by.
 const KV_STEP: usize = 256;
 
+thread_local! {
+    /// This thread's score block budget (tests shrink it to see blocks on small fixtures).
+    static SCORE_BLOCK_BYTES: std::cell::Cell<u64> = const { std::cell::Cell::new(super::MLX_SCORE_BLOCK_BYTES) };
+}
+
+/// Runs `f` with prompt attention on this thread cut into query blocks of at most `bytes` of scores (tests).
+#[doc(hidden)]
+pub fn with_score_block_bytes<R>(bytes: u64, f: impl FnOnce() -> R) -> R {
+    let old = SCORE_BLOCK_BYTES.replace(bytes);
+    let out = f();
+    SCORE_BLOCK_BYTES.set(old);
+    out
+}
+
+/// Query rows per block for `heads` query heads over `keys` positions: as many as keep the scores within the
+/// budget, at least 1.
+fn query_block_rows(heads: usize, keys: usize) -> usize {
+    let row = (heads * keys * 4).max(1) as u64;
+    (SCORE_BLOCK_BYTES.get() / row).max(1) as usize
+}
+
 impl MlxKv {
     /// Writes `k` and `v` `[1, kv_heads, n, head_dim]` at the positions after the sequence, and returns the
     /// cache's keys and values up to their end.
@@ -321,7 +342,29 @@ impl Backend for MlxBackend {
             let k = heads_first(&rows(k, &span.rows), n, kvh, d)?;
             let v = heads_first(&rows(v, &span.rows), n, kvh, d)?;
             let (k, v) = cache.append(&k, &v)?;
-            let o = if n > 1 {
+            let keys = k.shape()[2];
+            let block = query_block_rows(s.heads, keys as usize) as i32;
+            let o = if n > block {
+                // Query rows `b0..b1` see the keys up to their last row's position: MLX aligns a causal mask
+                // to the end of the keys, so each block is masked as the whole chunk would be.
+                let start = keys - n;
+                let mut blocks = Vec::with_capacity((n / block + 1) as usize);
+                for b0 in (0..n).step_by(block as usize) {
+                    let b1 = (b0 + block).min(n);
+                    blocks.push(
+                        mlx_rs::fast::scaled_dot_product_attention(
+                            q.index((.., .., b0..b1, ..)),
+                            k.index((.., .., ..start + b1, ..)),
+                            v.index((.., .., ..start + b1, ..)),
+                            scale,
+                            ScaledDotProductAttentionMask::Causal,
+                            None,
+                        )
+                        .map_err(err)?,
+                    );
+                }
+                mlx_rs::ops::concatenate(&blocks, 2)
+            } else if n > 1 {
                 mlx_rs::fast::scaled_dot_product_attention(
                     &q,
                     &k,
