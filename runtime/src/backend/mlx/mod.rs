@@ -20,7 +20,7 @@ use mlx_rs::fast::ScaledDotProductAttentionMask;
 use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
 use mlx_rs::Array;
 
-use super::{Backend, KvState, Pick, RecurrentState, SeqSpan};
+use super::{Backend, ExpertJob, KvState, Pick, RecurrentState, SeqSpan};
 use crate::error::Result;
 use crate::gated_delta::{DeltaParams, DeltaShape};
 use crate::linear::Linear;
@@ -519,6 +519,26 @@ impl Backend for MlxBackend {
             out = out.add(rows.multiply(&w).map_err(err)?).map_err(err)?;
         }
         Ok(out)
+    }
+
+    fn experts(&self, jobs: Vec<ExpertJob<Self>>) -> Result<Vec<Array>> {
+        let many = jobs.iter().any(|j| j.x.shape()[0] > 1);
+        let outputs = jobs
+            .into_iter()
+            .map(|j| {
+                let [gate, up, down] = &j.mats;
+                let [g, u] = self.matmul_each([gate, up], &j.x)?;
+                let h = self.swiglu(&g, &u)?;
+                self.matmul(down, &h)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // A prompt's chunk: started now, so each record's slot (wrapped without a copy on Metal) and its f32
+        // scale copies are let go as the layer goes on, not held until the layer's end; a chunk can use more
+        // of a layer's experts than the cache has slots. Decode's few records wait for the layer's own start.
+        if many {
+            mlx_rs::transforms::async_eval(&outputs).map_err(err)?;
+        }
+        Ok(outputs)
     }
 
     fn layer_done(&self, x: &Array) -> Result<()> {
