@@ -133,7 +133,8 @@ pub fn piece_len(len: usize) -> usize {
 impl ReadOp {
     /// This read cut into pieces of [`piece_len`] bytes, in order, each with its share of `needed`.
     pub fn pieces(&self) -> impl Iterator<Item = ReadOp> + '_ {
-        let piece = piece_len(self.len);
+        // At least 1: an empty read is no pieces, not a division by zero.
+        let piece = piece_len(self.len).max(1);
         (0..self.len.div_ceil(piece)).map(move |k| {
             let at = k * piece;
             let len = piece.min(self.len - at);
@@ -436,6 +437,9 @@ mod tests {
                 want(2, last, 0)
             ]
         );
+        // An empty read is no pieces (it divided by zero).
+        let empty = ReadOp { len: 0, needed: 0, ..r };
+        assert_eq!(empty.pieces().count(), 0);
         let short = ReadOp {
             len: READ_PIECE,
             needed: 10,

@@ -400,11 +400,9 @@ fn corrupt_stores_are_clear_errors() {
         "{err:?}"
     );
 
-    // A layer that lists no records, with a record length no file holds: refused at open, before `inspect
-    // --verify` would size a buffer by it.
+    // A record length no file holds: refused at open, before `inspect --verify` would size a buffer by it.
     m["model_dir"] = serde_json::Value::String(dir.canonicalize().unwrap().display().to_string());
     let mut huge = m.clone();
-    huge["layers"][0]["records"] = serde_json::json!([]);
     huge["layers"][0]["record_len"] = (1u64 << 60).into();
     std::fs::write(&mpath, serde_json::to_string(&huge).unwrap()).unwrap();
     let err = PackedStore::open(&store_dir).err().unwrap().to_string();
@@ -412,6 +410,13 @@ fn corrupt_stores_are_clear_errors() {
         err.contains("layer 0") && err.contains("exceeds the data file"),
         "{err}"
     );
+    // A layer that lists no records, as long as the whole data file: `inspect --verify` allocated that much
+    // for no record.
+    huge["layers"][0]["records"] = serde_json::json!([]);
+    huge["layers"][0]["record_len"] = m["data_len"].clone();
+    std::fs::write(&mpath, serde_json::to_string(&huge).unwrap()).unwrap();
+    let err = PackedStore::open(&store_dir).err().unwrap().to_string();
+    assert!(err.contains("layer 0: lists no records"), "{err}");
 
     // Two experts' records swapped in the manifest, checksums and all: each would serve the other's bytes.
     let mut swapped = m.clone();

@@ -248,6 +248,16 @@ pub(crate) fn describe_config(config: &ModelConfig) -> Result<Architecture> {
 fn described(config: &ModelConfig, tensors: Option<&Weights>) -> Result<Architecture> {
     let arch = describer(config)?(config, tensors)?;
     arch.dims.validate(config, arch.num_experts().unwrap_or(0))?;
+    // Only the sizes a layer uses: a MoE model's dense `intermediate_size` may be anything when no layer is dense.
+    for (i, plan) in arch.ffn.iter().enumerate() {
+        let (field, inter) = match plan {
+            FfnPlan::Dense { inter, .. } => ("intermediate_size", *inter),
+            FfnPlan::Moe { inter, .. } => ("moe_intermediate_size", *inter),
+        };
+        if inter == 0 {
+            return Err(config.error(format!("{field} of layer {i} must be non-zero")));
+        }
+    }
     Ok(arch)
 }
 
