@@ -2,6 +2,7 @@
 //! the context limit.
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::config::ModelConfig;
@@ -30,6 +31,49 @@ impl Prompt {
     /// Whether it is rendered from messages (a reply then starts on its own, not after the prompt's text).
     pub fn is_chat(&self) -> bool {
         matches!(self, Prompt::Chat(_) | Prompt::ChatWith(..))
+    }
+
+    /// Token ids of the prompt.
+    pub fn tokenize(&self, codec: &TextCodec) -> Result<Vec<u32>> {
+        match self {
+            Prompt::Raw(text) => codec.encode(text, true),
+            // The template writes the special tokens itself, as in HF's apply_chat_template.
+            Prompt::Chat(msgs) => codec.encode(&codec.apply_chat_template(msgs, true)?, false),
+            Prompt::ChatWith(msgs, kwargs) => codec.encode(&codec.apply_chat_template_with(msgs, true, kwargs)?, false),
+            Prompt::Tokens(t) => Ok(t.clone()),
+        }
+    }
+}
+
+/// What a prompt must fit: the context limit (the plan's) and the vocabulary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PromptLimits {
+    /// Context limit in tokens, prompt and completion together.
+    pub context: usize,
+    /// Token ids below this are in the vocabulary.
+    pub vocab_size: usize,
+}
+
+impl PromptLimits {
+    /// Rejects a tokenized prompt that a generation could not start on: no tokens, longer than the context
+    /// limit (this one, or the request's lower one), or an id outside the vocabulary.
+    pub fn check(&self, ids: &[u32], params: &GenerateParams) -> Result<()> {
+        let ctx = self.context_for(params);
+        if ids.is_empty() {
+            return Err(ModelError::InvalidArgument("the prompt is empty (no tokens)".into()));
+        }
+        if ids.len() > ctx {
+            return Err(ModelError::Limit(format!(
+                "the prompt has {} tokens but the context limit is {ctx} tokens",
+                ids.len()
+            )));
+        }
+        crate::model::check_vocabulary(ids, self.vocab_size)
+    }
+
+    /// The context a request may fill: a request may lower the planned limit, never raise it.
+    fn context_for(&self, params: &GenerateParams) -> usize {
+        (params.context_limit.unwrap_or(usize::MAX)).min(self.context)
     }
 }
 
@@ -116,8 +160,8 @@ pub struct GenerationStats {
 pub struct Pipeline {
     /// The network.
     pub model: DecoderModel,
-    /// Tokenizer, chat template, EOS ids.
-    pub codec: TextCodec,
+    /// Tokenizer, chat template, EOS ids (shared: a server tokenizes requests beside the engine).
+    pub codec: Arc<TextCodec>,
 }
 
 impl Pipeline {
@@ -132,19 +176,22 @@ impl Pipeline {
         let config = ModelConfig::load(loc.model_dir())?;
         let codec = TextCodec::load(loc.model_dir(), &config.eos_token_ids())?;
         let model = load_located(&loc, config, opts)?;
-        Ok(Self { model, codec })
+        Ok(Self {
+            model,
+            codec: Arc::new(codec),
+        })
     }
 
     /// Token ids of a prompt.
     pub fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>> {
-        match prompt {
-            Prompt::Raw(text) => self.codec.encode(text, true),
-            // The template writes the special tokens itself, as in HF's apply_chat_template.
-            Prompt::Chat(msgs) => self.codec.encode(&self.codec.apply_chat_template(msgs, true)?, false),
-            Prompt::ChatWith(msgs, kwargs) => {
-                (self.codec).encode(&self.codec.apply_chat_template_with(msgs, true, kwargs)?, false)
-            }
-            Prompt::Tokens(t) => Ok(t.clone()),
+        prompt.tokenize(&self.codec)
+    }
+
+    /// What a prompt must fit to be generated from.
+    pub fn prompt_limits(&self) -> PromptLimits {
+        PromptLimits {
+            context: self.model.context_limit(),
+            vocab_size: self.model.info.vocab_size,
         }
     }
 
@@ -152,22 +199,12 @@ impl Pipeline {
     /// context limit (the plan's, or the request's lower one), or an id outside the vocabulary. A server calls it
     /// before it answers, so such a request gets an error status rather than a stream that fails.
     pub fn check_prompt(&self, ids: &[u32], params: &GenerateParams) -> Result<()> {
-        let ctx = self.context_for(params);
-        if ids.is_empty() {
-            return Err(ModelError::InvalidArgument("the prompt is empty (no tokens)".into()));
-        }
-        if ids.len() > ctx {
-            return Err(ModelError::Limit(format!(
-                "the prompt has {} tokens but the context limit is {ctx} tokens",
-                ids.len()
-            )));
-        }
-        crate::model::check_vocabulary(ids, self.model.info.vocab_size)
+        self.prompt_limits().check(ids, params)
     }
 
     /// The context a request may fill: a request may lower the planned limit, never raise it.
     fn context_for(&self, params: &GenerateParams) -> usize {
-        (params.context_limit.unwrap_or(usize::MAX)).min(self.model.context_limit())
+        self.prompt_limits().context_for(params)
     }
 
     /// Generates from `prompt`, calling `on_text` once per generated token with the text it completes (possibly

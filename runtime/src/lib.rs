@@ -34,7 +34,7 @@ pub mod weights;
 
 pub use convert::{convert_model, StoreLayout};
 pub use error::{ModelError, Result};
-pub use generate::{FinishReason, GenerateParams, GenerationStats, Pipeline, Progress, Prompt};
+pub use generate::{FinishReason, GenerateParams, GenerationStats, Pipeline, Progress, Prompt, PromptLimits};
 pub use location::model_dir;
 pub use memory_plan::{MemoryPlan, DEFAULT_PREFILL_CHUNK, STREAMED_PREFILL_CHUNK};
 pub use model::{DecoderModel, ForwardOptions, ModelInfo, PrefetchMode, SeqRequest};

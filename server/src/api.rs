@@ -13,7 +13,9 @@ use axum::Json;
 use futures_util::stream::{self, Stream, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use sluice_runtime::{ChatMessage, FinishReason, GenerateParams, ModelError, Prompt, SamplingParams};
+use sluice_runtime::{
+    ChatMessage, FinishReason, GenerateParams, ModelError, Prompt, PromptLimits, SamplingParams, TextCodec,
+};
 use tokio::sync::mpsc;
 
 use crate::engine::{EngineHandle, Event, Job, SubmitError};
@@ -40,6 +42,10 @@ pub struct Loaded {
     pub top_k: usize,
     /// Context limit in tokens (the one the memory plan's KV budget covers).
     pub context_length: usize,
+    /// The model's tokenizer and chat template (requests are tokenized by their handlers).
+    pub codec: Arc<TextCodec>,
+    /// What a prompt must fit.
+    pub limits: PromptLimits,
 }
 
 impl AppState {
@@ -705,8 +711,9 @@ fn token_ids(a: &[Value]) -> Option<Vec<u32>> {
     ids.filter(|ids| !ids.is_empty())
 }
 
-/// Queues the job, waits for it to start (errors before the first token become HTTP errors), then answers
-/// whole or as an SSE stream.
+/// Tokenizes and checks the prompt (its errors are HTTP errors, at once, however long the queue), queues the
+/// job, then answers whole or as an SSE stream: a stream's headers go out when it is queued, and its keep-alive
+/// comments cover the wait for the engine.
 async fn run(
     l: &Loaded,
     model: &str,
@@ -716,9 +723,31 @@ async fn run(
     chat: bool,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let (tx, mut rx) = mpsc::unbounded_channel();
+    // Off the async workers: a long prompt's tokenization or a template's rendering takes a while.
+    let (codec, limits) = (Arc::clone(&l.codec), l.limits);
+    let checked = tokio::task::spawn_blocking(move || {
+        let ids = prompt.tokenize(&codec)?;
+        limits.check(&ids, &params).map(|()| (ids, params))
+    })
+    .await;
+    let (ids, params) = match checked {
+        Ok(Ok(checked)) => checked,
+        Ok(Err(e)) => return Err(ApiError::from_model(e, chat)),
+        Err(e) => {
+            tracing::error!("tokenizing a prompt panicked: {e}");
+            return Err(ApiError::with(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                "internal_error",
+                "tokenizing the prompt failed",
+            ));
+        }
+    };
+    let prompt_tokens = ids.len();
+    let (tx, rx) = mpsc::unbounded_channel();
     let job = Job {
-        prompt,
+        ids,
+        chat,
         params,
         events: tx,
         arrived,
@@ -735,20 +764,6 @@ async fn run(
         }
         Err(SubmitError::Stopped) => return Err(ApiError::engine_stopped()),
     }
-    let prompt_tokens = match rx.recv().await {
-        Some(Event::Started { prompt_tokens }) => prompt_tokens,
-        Some(Event::Failed(e)) => return Err(ApiError::from_model(e, chat)),
-        // The engine thread ended with this job queued (the queue is cleared then): as `/health` says.
-        None if l.engine.stopped() => return Err(ApiError::engine_stopped()),
-        _ => {
-            return Err(ApiError::with(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "server_error",
-                "internal_error",
-                "the engine ended the request",
-            ))
-        }
-    };
     // Unique within this server's life, and across restarts by the start time in it.
     static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -850,14 +865,8 @@ async fn whole_reply(r: Reply, mut rx: mpsc::UnboundedReceiver<Event>) -> Result
             }
             Some(Event::Failed(e)) => return Err(ApiError::from_model(e, r.chat)),
             Some(Event::Started { .. }) => {}
-            None => {
-                return Err(ApiError::with(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "server_error",
-                    "internal_error",
-                    "the engine ended the request",
-                ))
-            }
+            // The job's sender went without a word: the engine thread ended (its queue is cleared then).
+            None => return Err(ApiError::engine_stopped()),
         }
     }
 }
@@ -915,7 +924,11 @@ fn stream_reply(r: Reply, rx: mpsc::UnboundedReceiver<Event>) -> Sse<impl Stream
                         return Some((vec![ev, SseEvent::default().data("[DONE]")], (r, rx, last, true)));
                     }
                     Some(Event::Started { .. }) => {}
-                    None => return None,
+                    // The engine thread ended (see `whole_reply`): said in the stream, which has its 200.
+                    None => {
+                        let ev = SseEvent::default().data(ApiError::engine_stopped().body().to_string());
+                        return Some((vec![ev, SseEvent::default().data("[DONE]")], (r, rx, last, true)));
+                    }
                 }
             }
         },

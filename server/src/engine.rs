@@ -6,15 +6,17 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
-use sluice_runtime::{GenerateParams, GenerationStats, ModelError, Pipeline, Progress, Prompt};
+use sluice_runtime::{GenerateParams, GenerationStats, ModelError, Pipeline, Progress};
 use tokio::sync::mpsc;
 
 use crate::metrics::Metrics;
 
 /// What a request asks the engine to do.
 pub struct Job {
-    /// Prompt (text, messages or ids).
-    pub prompt: Prompt,
+    /// The prompt's token ids (tokenized and checked by the handler).
+    pub ids: Vec<u32>,
+    /// Whether the prompt was rendered from messages (the reply then starts on its own).
+    pub chat: bool,
     /// Generation settings.
     pub params: GenerateParams,
     /// Where the engine sends text and the end; dropping the receiver cancels the job.
@@ -179,6 +181,17 @@ impl EngineHandle {
         }
     }
 
+    /// A handle on a queue no engine takes jobs from (tests of what is answered before the engine).
+    #[cfg(test)]
+    pub(crate) fn idle(capacity: usize, metrics: Arc<Metrics>) -> Self {
+        let queue = Queue::new(capacity, metrics);
+        Self {
+            _open: Arc::new(Open(Arc::clone(&queue))),
+            queue,
+            running: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
     /// Queues a job, or says why not. Jobs whose clients have left give up their places first.
     pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
         self.queue.push(job)
@@ -209,21 +222,17 @@ fn run(p: Pipeline, queue: &Queue, running: Arc<AtomicUsize>, m: Arc<Metrics>) {
         let events = job.events;
         // Each generation starts from a fresh KV cache, so a panic (a bug) fails only its own request: the
         // client gets an error and the thread goes on to the next job instead of taking the model with it.
-        // The prompt is checked before `Started`, which commits a streamed reply to a 200.
-        let tokenized = || {
-            p.tokenize(&job.prompt)
-                .and_then(|ids| p.check_prompt(&ids, &job.params).map(|()| ids))
-        };
+        // The handler checked the prompt against the same limits; checked again, as a job's own guard.
         let mut started = false;
-        let result = without_panics(|| match tokenized() {
-            Ok(ids) => {
+        let (ids, chat) = (&job.ids, job.chat);
+        let result = without_panics(|| match p.check_prompt(ids, &job.params) {
+            Ok(()) => {
                 started = true;
                 let _ = events.send(Event::Started {
                     prompt_tokens: ids.len(),
                 });
-                let chat = job.prompt.is_chat();
                 // The receiver is dropped when the client disconnects: stop at this token or prompt chunk.
-                p.generate_tokens(&ids, chat, &job.params, |progress| match progress {
+                p.generate_tokens(ids, chat, &job.params, |progress| match progress {
                     Progress::Prefill => !events.is_closed(),
                     Progress::Token(text) => events.send(Event::Text(text.to_string())).is_ok(),
                     Progress::Tail(text) => events.send(Event::Tail(text.to_string())).is_ok(),
@@ -268,7 +277,8 @@ mod tests {
     fn job(text: &str) -> (Job, mpsc::UnboundedReceiver<Event>) {
         let (events, rx) = mpsc::unbounded_channel();
         let job = Job {
-            prompt: Prompt::Raw(text.into()),
+            ids: text.bytes().map(u32::from).collect(),
+            chat: false,
             params: GenerateParams::default(),
             events,
             arrived: Instant::now(),
@@ -288,7 +298,7 @@ mod tests {
         let (c, _c_rx) = job("c");
         assert!(q.push(c).is_ok());
         let next = q.next().expect("a job");
-        assert!(matches!(&next.prompt, Prompt::Raw(t) if t == "c"));
+        assert_eq!(next.ids, [u32::from(b'c')]);
         assert_eq!(q.metrics.cancelled.get(), 1);
         // Once no handle is left and nothing waits, the engine's loop ends.
         drop(Open(Arc::clone(&q)));
@@ -306,7 +316,7 @@ mod tests {
         let pipeline = Pipeline::load(&dir).unwrap();
         let engine = EngineHandle::start(pipeline, 1, Some(1), Metrics::new(4, None, 0));
         let (mut job, mut rx) = job("");
-        job.prompt = Prompt::Tokens((1..=40).collect());
+        job.ids = (1..=40).collect();
         job.params.max_tokens = 3;
         job.params.prefill_chunk = Some(8);
         assert!(engine.submit(job).is_ok());

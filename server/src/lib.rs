@@ -114,12 +114,15 @@ pub async fn serve(
     let m = &pipeline.model;
     let cache_bytes = m.expert_slots().unwrap_or(0) as u64 * m.expert_slot_len().unwrap_or(0) as u64;
     let metrics = Metrics::new(top_k, m.expert_counters(), cache_bytes);
+    let (codec, limits) = (Arc::clone(&pipeline.codec), pipeline.prompt_limits());
     let engine = EngineHandle::start(pipeline, cfg.max_queue, cfg.threads, Arc::clone(&metrics));
     let _ = state.loaded.set(Loaded {
         engine,
         metrics,
         top_k,
         context_length,
+        codec,
+        limits,
     });
     tracing::info!(%addr, "model loaded; serving");
     tokio::select! {
@@ -182,5 +185,70 @@ mod tests {
             t.elapsed()
         );
         let _ = release.send(());
+    }
+
+    /// A request is tokenized and checked by its handler, not by the engine: a bad prompt's 400 and a stream's
+    /// headers come at once, however long the queue waits (here on an engine that never takes a job). Both
+    /// waited for the engine to reach the request.
+    #[test]
+    fn requests_are_checked_and_streams_open_without_waiting_for_the_engine() {
+        use std::io::{Read, Write};
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/qwen3_moe-q4g64");
+        let codec = Arc::new(sluice_runtime::TextCodec::load(&dir, &[]).unwrap());
+        let metrics = Metrics::new(4, None, 0);
+        let state = Arc::new(AppState {
+            model_id: "fox".into(),
+            loaded: std::sync::OnceLock::new(),
+        });
+        let limits = sluice_runtime::PromptLimits {
+            context: 64,
+            vocab_size: 1000,
+        };
+        let loaded = Loaded {
+            engine: EngineHandle::idle(4, Arc::clone(&metrics)),
+            metrics,
+            top_k: 4,
+            context_length: limits.context,
+            codec,
+            limits,
+        };
+        assert!(state.loaded.set(loaded).is_ok());
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+        let addr = listener.local_addr().unwrap();
+        rt.spawn(async move { axum::serve(listener, router(state)).await });
+        // The head of the answer to `body` (and what came with it), or what arrived within 10 s.
+        let answer = |path: &str, body: String| {
+            let mut c = std::net::TcpStream::connect(addr).unwrap();
+            c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            write!(
+                c,
+                "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
+                 Connection: close\r\n\r\n{body}",
+                body.len()
+            )
+            .unwrap();
+            let (mut got, mut buf) = (Vec::new(), [0u8; 4096]);
+            while !String::from_utf8_lossy(&got).contains("\r\n\r\n") {
+                match c.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => got.extend_from_slice(&buf[..n]),
+                }
+            }
+            String::from_utf8_lossy(&got).into_owned()
+        };
+        let long = serde_json::json!({"prompt": "word ".repeat(100), "max_tokens": 1}).to_string();
+        let got = answer("/v1/completions", long);
+        assert!(got.starts_with("HTTP/1.1 400"), "{got}");
+        let stream = serde_json::json!({"prompt": "x", "max_tokens": 1, "stream": true}).to_string();
+        let got = answer("/v1/completions", stream);
+        assert!(
+            got.starts_with("HTTP/1.1 200") && got.contains("text/event-stream"),
+            "{got}"
+        );
+        let chat = serde_json::json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+            "chat_template_kwargs": {"enable_thinking": false}, "stream": true});
+        let got = answer("/v1/chat/completions", chat.to_string());
+        assert!(got.starts_with("HTTP/1.1 200"), "{got}");
     }
 }
