@@ -250,12 +250,12 @@ fn described(config: &ModelConfig, tensors: Option<&Weights>) -> Result<Architec
     arch.dims.validate(config, arch.num_experts().unwrap_or(0))?;
     // Only the sizes a layer uses: a MoE model's dense `intermediate_size` may be anything when no layer is dense.
     for (i, plan) in arch.ffn.iter().enumerate() {
-        let (field, inter) = match plan {
-            FfnPlan::Dense { inter, .. } => ("intermediate_size", *inter),
-            FfnPlan::Moe { inter, .. } => ("moe_intermediate_size", *inter),
+        let (what, inter) = match plan {
+            FfnPlan::Dense { inter, .. } => ("dense FFN", *inter),
+            FfnPlan::Moe { inter, .. } => ("experts'", *inter),
         };
         if inter == 0 {
-            return Err(config.error(format!("{field} of layer {i} must be non-zero")));
+            return Err(config.error(format!("layer {i}'s {what} intermediate size must be non-zero")));
         }
     }
     Ok(arch)
