@@ -16,6 +16,10 @@ pub struct ChatMessage {
     pub role: String,
     /// Message text.
     pub content: String,
+    /// An assistant turn's reasoning (Qwen3's templates render it in a `<think>` block); absent, the template
+    /// sees it undefined.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
 }
 
 impl ChatMessage {
@@ -24,7 +28,14 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content: content.into(),
+            reasoning_content: None,
         }
+    }
+
+    /// The message with this reasoning.
+    pub fn with_reasoning(mut self, reasoning: &str) -> Self {
+        self.reasoning_content = Some(reasoning.into());
+        self
     }
 }
 
@@ -547,6 +558,23 @@ mod tests {
         let (_d, c) = codec_with_template(Value::String(t.into()));
         let msgs = ["s", "u", "stop", "never"].map(|m| ChatMessage::new(if m == "s" { "system" } else { "user" }, m));
         assert_eq!(c.apply_chat_template(&msgs, false).unwrap(), "ustop");
+    }
+
+    #[test]
+    fn an_assistant_turns_reasoning_reaches_the_template() {
+        // Qwen3's templates render an earlier turn's reasoning in a `<think>` block when it is a string.
+        let t = "{% for m in messages %}{% if m.reasoning_content is string %}<think>{{ m.reasoning_content }}\
+                 </think>{% endif %}{{ m.content }}|{% endfor %}";
+        let (_d, c) = codec_with_template(Value::String(t.into()));
+        let msgs = [
+            ChatMessage::new("user", "q"),
+            ChatMessage::new("assistant", "A").with_reasoning("R"),
+            ChatMessage::new("user", "again"),
+        ];
+        assert_eq!(
+            c.apply_chat_template(&msgs, false).unwrap(),
+            "q|<think>R</think>A|again|"
+        );
     }
 
     #[test]

@@ -158,7 +158,10 @@ fn corrupt_or_missing_sizes_are_clear_errors() {
     assert!(e.contains("missing field `shared_expert_intermediate_size`"), "{e}");
     // A zero expert width made zero-length expert reads (a division by zero when streamed in place).
     let e = load_error_with("qwen3_moe-q4g64", |c| c["moe_intermediate_size"] = 0.into(), None);
-    assert!(e.contains("layer 0's experts' intermediate size must be non-zero"), "{e}");
+    assert!(
+        e.contains("layer 0's experts' intermediate size must be non-zero"),
+        "{e}"
+    );
 }
 
 /// A prompt token's routes hold their experts' inputs and outputs: the plan sizes them for the experts per

@@ -200,6 +200,8 @@ struct Part {
 struct Message {
     role: String,
     content: Option<Content>,
+    /// An assistant turn's reasoning (vLLM's field), passed to the template (Qwen3's renders it).
+    reasoning_content: Option<String>,
     /// An assistant turn's tool calls (and the legacy `function_call`): refused while tools are, rather than
     /// dropped from the conversation the model sees.
     tool_calls: Option<Value>,
@@ -651,7 +653,11 @@ async fn chat_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiErr
         } else {
             m.role.as_str()
         };
-        msgs.push(ChatMessage::new(role, &text));
+        let msg = ChatMessage::new(role, &text);
+        msgs.push(match &m.reasoning_content {
+            Some(r) => msg.with_reasoning(r),
+            None => msg,
+        });
     }
     let prompt = match body.chat_template_kwargs {
         None | Some(Value::Null) => Prompt::Chat(msgs),

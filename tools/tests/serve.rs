@@ -912,3 +912,36 @@ fn sigterm_shuts_down_cleanly() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// An assistant turn's `reasoning_content` reaches the chat template (Qwen3's renders it as a `<think>` block);
+/// it was dropped with the other unknown fields.
+#[test]
+fn an_assistant_turns_reasoning_reaches_the_template() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("model");
+    std::fs::create_dir(&dir).unwrap();
+    for e in std::fs::read_dir(fixture("qwen3_moe-q4g64")).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, dir.join(p.file_name().unwrap())).unwrap();
+    }
+    let t = "{% for m in messages %}{% if m.reasoning_content is string %}<think>{{ m.reasoning_content }}</think>\
+             {% endif %}{{ m.content }}{% endfor %}";
+    std::fs::write(dir.join("chat_template.jinja"), t).unwrap();
+    let s = start_model(&dir, &[]);
+    let tokens = |assistant: Value| {
+        let body = json!({"messages": [{"role": "user", "content": "q"}, assistant], "max_tokens": 1});
+        let (st, v) = post(&s, "/v1/chat/completions", &body);
+        assert_eq!(st, 200, "{v}");
+        v["usage"]["prompt_tokens"].as_u64().unwrap()
+    };
+    let raw = |text: &str| {
+        let (st, v) = post(&s, "/v1/completions", &json!({"prompt": text, "max_tokens": 1}));
+        assert_eq!(st, 200, "{v}");
+        v["usage"]["prompt_tokens"].as_u64().unwrap()
+    };
+    let plain = tokens(json!({"role": "assistant", "content": "A"}));
+    let reasoned = tokens(json!({"role": "assistant", "content": "A", "reasoning_content": "Rx"}));
+    assert_eq!(plain, raw("qA"));
+    assert_eq!(reasoned, raw("q<think>Rx</think>A"));
+    assert!(reasoned > plain);
+}
