@@ -27,6 +27,10 @@
 //!   order counts.
 //! - Prefetches only take free slots or evict entries that are neither pinned nor unused prefetches, and
 //!   only records of the guessed layer or of layers that come back after it.
+//! - A fetch dropped before its reads land (an error elsewhere in the step) drops those not started, their slots
+//!   back on the free list, and leaves those under way to whoever asks next, who reads the record again if
+//!   that read failed. Dropping the caches (a cold run's start) drops the queued guesses and waits for reads
+//!   under way.
 //! - A record has at most one entry and one read: an expert asked for twice in one fetch, or by two
 //!   fetches, shares the first request's read (a second read would replace the entry and lose a slot).
 
@@ -739,12 +743,16 @@ impl Inner {
             // fetch waiting for it gets an error instead of waiting forever, and the slot goes back.
             let result = catch_unwind(AssertUnwindSafe(|| self.load(key, &mut buf, &mut scratch, rewrite)))
                 .unwrap_or_else(|payload| {
-                    Err(format!(
+                    let msg = format!(
                         "expert record layer {} expert {}: loading it panicked: {}",
                         key.0,
                         key.1,
                         panic_message(payload.as_ref())
-                    ))
+                    );
+                    // A payload whose own drop panics must not unwind out of this thread either: its record
+                    // would stay loading for good, and the fetch waiting for it with it.
+                    let _ = catch_unwind(AssertUnwindSafe(move || drop(payload)));
+                    Err(msg)
                 });
             let took = started.elapsed();
             add_cpu_since(&self.counters.read_cpu_ns, cpu);
@@ -1127,11 +1135,28 @@ impl Drop for LayerFetch<'_> {
         if self.waiting.is_empty() {
             return;
         }
-        // Abandoned (an error, or the caller stopped early): these records may be evicted again.
-        let mut st = lock(&self.inner.state);
+        // Abandoned (an error, or the caller stopped early): these records may be evicted again. A read no
+        // fetch waits for any more is dropped if it has not started (demand reads go first, so it would hold
+        // up the next step's and its slot); one under way lands for whoever asks next, who reads it again if
+        // it failed, as a guess's (an error of a read nobody waited for must not fail another step).
+        let inner = self.inner;
+        let mut st = lock(&inner.state);
+        let mut q = lock(&inner.queue);
         for &pos in &self.waiting {
-            if let Some(e) = st.entries.peek_mut(&(self.layer, self.experts[pos])) {
-                e.waiters = e.waiters.saturating_sub(1);
+            let key = (self.layer, self.experts[pos]);
+            let Some(e) = st.entries.peek_mut(&key) else {
+                continue;
+            };
+            e.waiters = e.waiters.saturating_sub(1);
+            if e.waiters > 0 || !matches!(e.state, SlotState::Loading) {
+                continue;
+            }
+            e.guessed = true;
+            if let Some(i) = q.demand.iter().position(|j| j.key == key) {
+                if let Some(job) = q.demand.remove(i) {
+                    st.entries.pop(&key);
+                    st.free.push(job.buf);
+                }
             }
         }
     }
@@ -1319,9 +1344,29 @@ impl ExpertSource for StreamingSource {
 
     fn drop_caches(&self) -> Result<(), StoreError> {
         let inner = &*self.inner;
+        let mut st = lock(&inner.state);
+        // Guesses not started are dropped, and reads under way (the last step's guesses) are waited for: landing
+        // after the reset, they would be hits of a run that is meant to start cold.
+        {
+            let mut q = lock(&inner.queue);
+            while let Some(job) = q.prefetch.pop_front() {
+                st.entries.pop(&job.key);
+                st.free.push(job.buf);
+                inner.counters.prefetch_cancelled.fetch_add(1, Relaxed);
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while (st.entries.iter()).any(|(_, e)| matches!(e.state, SlotState::Loading)) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                tracing::warn!("reads still under way after 30 s; the caches are dropped without them");
+                break;
+            }
+            st = (inner.arrived.wait_timeout(st, left.min(Duration::from_millis(20))))
+                .map_or_else(|e| e.into_inner().0, |(g, _)| g);
+        }
         // As a fresh process would, the next reads check every record's checksum again.
         lock(&inner.verified).clear();
-        let mut st = lock(&inner.state);
         let idle: Vec<Key> = (st.entries.iter())
             .filter(|(_, e)| matches!(&e.state, SlotState::Ready(b) if Arc::strong_count(b) == 1 && e.waiters == 0))
             .map(|(k, _)| k)

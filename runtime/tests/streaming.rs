@@ -309,21 +309,10 @@ fn read_error_fails_one_generation_and_the_engine_recovers() {
         err.contains("injected read failure") && err.contains("expert record layer"),
         "{err}"
     );
-    // The disk recovers: the same engine serves the next generation, and its output is right. The failed
-    // fetch's other reads may still be in flight; those that called the disk before it recovered fail, and
-    // a fetch joining one of them would rightly fail too (seen under qemu). So wait until every read that
-    // touched the disk has landed: from then on a failed record is read again, not shared.
+    // The disk recovers: the same engine serves the next generation at once, and its output is right. The
+    // failed fetch's other reads may still be in flight, and those that called the disk before it recovered
+    // fail; a fetch joining one of them reads it again (nobody waited for it any more), as for a guess.
     failing.ok_reads.store(usize::MAX, Ordering::SeqCst);
-    let counters = engine.counters().unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    loop {
-        let c = counters.snapshot();
-        if (c.reads + c.read_errors) as usize == failing.reads.load(Ordering::SeqCst) {
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "reads never landed");
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
     let mut text = String::new();
     p.generate(&Prompt::Raw("The fox".into()), &params(), |t| {
         text.push_str(t);

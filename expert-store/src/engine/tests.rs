@@ -1054,6 +1054,55 @@ fn a_panic_while_loading_fails_that_record_and_the_io_threads_keep_serving() {
     );
 }
 
+/// A panic payload whose own drop panics.
+struct Bomb;
+
+impl Drop for Bomb {
+    fn drop(&mut self) {
+        panic!("the payload's drop panicked");
+    }
+}
+
+/// A transform that panics with a [`Bomb`].
+struct PanicsWithBomb;
+
+impl RecordTransform for PanicsWithBomb {
+    fn parts(&self, _layer: usize, read: &[(usize, usize)]) -> Option<Vec<(usize, usize)>> {
+        Some(read.to_vec())
+    }
+
+    fn apply(
+        &self,
+        _layer: usize,
+        _record: &[u8],
+        _from: &[(usize, usize)],
+        _slot: &mut [u8],
+        _to: &[(usize, usize)],
+    ) -> Result<(), String> {
+        std::panic::panic_any(Bomb)
+    }
+}
+
+#[test]
+fn a_panic_whose_payload_panics_when_dropped_still_fails_only_its_record() {
+    let (t, _file) = table();
+    let t = t.with_transform(Arc::new(PanicsWithBomb)).unwrap();
+    let src = Arc::new(StreamingSource::new(t, &options(3 * SLOT, 1)).unwrap());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = Arc::clone(&src);
+    std::thread::spawn(move || {
+        // Rewritten (panics), then as read (the one I/O thread still serves).
+        let failed = reader
+            .fetch_layer_rewriting(LAYER, &[5], true)
+            .map(|mut f| f.next_ready().map(|r| r.is_err()));
+        let served = (reader.fetch_layer_rewriting(LAYER, &[2], false))
+            .map(|mut f| f.next_ready().and_then(|r| r.ok()).map(|(_, rec)| rec.len()));
+        tx.send((failed.ok().flatten(), served.ok().flatten())).unwrap();
+    });
+    let got = rx.recv_timeout(GUARD).expect("a read never ended: the I/O thread died");
+    assert_eq!(got, (Some(true), Some(REC)));
+}
+
 /// [`table`] with each record read in place as three reads (as a checkpoint's tensors are), listed out of slot
 /// order; expert `broken`'s middle read points past the end of the file.
 fn three_read_table(broken: usize) -> (RecordTable, Arc<MemFile>) {
@@ -1263,6 +1312,65 @@ fn a_guess_that_fails_while_a_fetch_waits_for_it_is_read_again_on_demand() {
     let c = counters(&src);
     assert_eq!((c.read_errors, c.reads), (1, 1), "{c:?}");
     assert_eq!(file.reads(), offsets(&[5, 5]));
+}
+
+/// A fetch abandoned while its reads wait (an error elsewhere in the step, a panic) leaves no orphans: its reads
+/// not started are dropped and their slots come back, and one under way that fails is read again by the next
+/// fetch that asks, not handed to it as an error (demand reads nobody waited for were read anyway, ahead of
+/// everything, and a failure among them failed whichever fetch joined them).
+#[test]
+fn an_abandoned_fetch_leaves_no_orphaned_reads() {
+    // Not started: dropped.
+    let (src, file) = engine(4, 1);
+    file.close();
+    let fetch = src.fetch_layer(LAYER, &[5, 6, 7]).unwrap();
+    file.wait_started(1);
+    drop(fetch);
+    file.open();
+    src.wait_idle();
+    assert_eq!(file.reads(), offsets(&[5]));
+    assert_eq!(src.slot_census(), (3, 1), "6's and 7's slots are free again");
+    read(&src, 6);
+    // Under way, then failed: read again for the fetch that joined it.
+    let (mut t, file) = table();
+    let failing = Mutex::new(vec![offset_of(6)]);
+    t.files = vec![Arc::new(FailOnce {
+        file: Arc::clone(&file),
+        failing,
+    })];
+    let src = StreamingSource::new(t, &options(4 * SLOT, 2)).unwrap();
+    file.close();
+    let fetch = src.fetch_layer(LAYER, &[5, 6]).unwrap();
+    file.wait_started(2);
+    drop(fetch);
+    let got = read_through_gate(&src, &file, LAYER, 6);
+    assert_record(&got.unwrap(), 6);
+    let mut reads = file.reads();
+    reads[..2].sort();
+    assert_eq!(reads, offsets(&[5, 6, 6]));
+}
+
+/// Dropping the caches (a cold run's start) drops the guesses not started and waits for those under way: they
+/// landed after the reset, and the cold run counted them as hits.
+#[test]
+fn dropping_the_caches_leaves_no_guess_to_land_after() {
+    let (src, file) = engine(4, 1);
+    file.close();
+    src.prefetch(LAYER, &[5, 6]);
+    file.wait_started(1);
+    std::thread::scope(|s| {
+        let dropped = s.spawn(|| src.drop_caches());
+        let deadline = Instant::now() + GUARD;
+        while counters(&src).prefetch_cancelled == 0 {
+            assert!(Instant::now() < deadline, "the queued guess was never dropped");
+            std::thread::yield_now();
+        }
+        file.open();
+        dropped.join().unwrap().unwrap();
+    });
+    assert!(src.resident().is_empty(), "{:?}", src.resident());
+    assert_eq!(file.reads(), offsets(&[5]));
+    assert_eq!(src.slot_census(), (4, 0));
 }
 
 /// A file whose every read takes `delay`.
