@@ -652,6 +652,8 @@ impl Inner {
                 st.entries.pop(&key);
                 st.free.push(job.buf);
                 self.counters.prefetch_cancelled.fetch_add(1, Relaxed);
+                // A fetch may be waiting for a slot, which no landing read would now announce.
+                self.arrived.notify_all();
             }
         }
     }
@@ -1075,7 +1077,8 @@ impl LayerFetch<'_> {
                         break;
                     }
                     Some((SlotState::Loading, _, _, _)) => {}
-                    // Cannot happen (loading entries are never evicted); request it again rather than hang.
+                    // Cannot happen (a loading entry is dropped only when no fetch waits for it); request it again
+                    // rather than hang.
                     None => {
                         found = Some((i, Arrival::Lost));
                         break;
@@ -1156,6 +1159,8 @@ impl Drop for LayerFetch<'_> {
                 if let Some(job) = q.demand.remove(i) {
                     st.entries.pop(&key);
                     st.free.push(job.buf);
+                    // Another fetch may be waiting for a slot, which no landing read would now announce.
+                    inner.arrived.notify_all();
                 }
             }
         }
@@ -1355,6 +1360,7 @@ impl ExpertSource for StreamingSource {
                 inner.counters.prefetch_cancelled.fetch_add(1, Relaxed);
             }
         }
+        inner.arrived.notify_all();
         let deadline = Instant::now() + Duration::from_secs(30);
         while (st.entries.iter()).any(|(_, e)| matches!(e.state, SlotState::Loading)) {
             let left = deadline.saturating_duration_since(Instant::now());

@@ -198,7 +198,7 @@ impl PackedStore {
             if !l.record_len.is_multiple_of(manifest.record_align) {
                 return Err(at(format!("record length {} is not aligned", l.record_len)));
             }
-            // Bounded by the data file even when the layer lists no records: a reader sizes buffers by it.
+            // Bounded by the data file: a reader sizes buffers by it.
             if l.record_len > manifest.data_len {
                 return Err(at(format!(
                     "record length {} exceeds the data file's {} bytes",

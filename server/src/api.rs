@@ -46,6 +46,8 @@ pub struct Loaded {
     pub codec: Arc<TextCodec>,
     /// What a prompt must fit.
     pub limits: PromptLimits,
+    /// Prompts tokenized at once (see `run`).
+    pub tokenizing: tokio::sync::Semaphore,
 }
 
 impl AppState {
@@ -377,8 +379,12 @@ impl Common {
                 "function_call",
                 asked(&self.function_call, &|v| matches!(v.as_str(), Some("none" | "auto"))),
             ),
-            // llama.cpp's samplers; its -1 window is the whole history, which the server's penalty covers.
-            ("repeat_last_n", asked(&self.repeat_last_n, &number(-1.0))),
+            // llama.cpp's samplers. Its penalties' window matters only with a penalty on (clients send its
+            // default 64 with none); -1 is the whole history, which the server's penalties cover.
+            (
+                "repeat_last_n",
+                self.penalized() && asked(&self.repeat_last_n, &number(-1.0)),
+            ),
             ("typical_p", asked(&self.typical_p, &number(1.0))),
             ("mirostat", asked(&self.mirostat, &number(0.0))),
             ("dry_multiplier", asked(&self.dry_multiplier, &number(0.0))),
@@ -407,6 +413,15 @@ impl Common {
             Some((field, _)) => Err(ApiError::bad(format!("{field} is not supported yet"), Some(field))),
             None => Ok(()),
         }
+    }
+
+    /// Whether a repetition, frequency or presence penalty is on.
+    fn penalized(&self) -> bool {
+        let off = |v: Option<f32>, none: f32| v.is_none_or(|v| v == none);
+        !(off(self.repetition_penalty, 1.0)
+            && off(self.repeat_penalty, 1.0)
+            && off(self.frequency_penalty, 0.0)
+            && off(self.presence_penalty, 0.0))
     }
 
     /// The seed asked for: an integer, a negative one (llama.cpp's -1) meaning random.
@@ -453,8 +468,8 @@ impl Common {
         // Left out, a chat reply runs to its end-of-sequence token or the context's end, as OpenAI's chat API
         // and llama.cpp's server run it (a fixed default cut agents' replies, and a thinking model's, short); a
         // text completion gets 16 tokens, as OpenAI's legacy completions and vLLM give it. llama.cpp's
-        // `n_predict` counts when the OpenAI names are absent, its -1 (no limit) as left out.
-        let n_predict = self.n_predict.filter(|&n| n != -1);
+        // `n_predict` counts when the OpenAI names are absent, its -1 as no limit (the context's end).
+        let n_predict = (self.n_predict).map(|n| if n == -1 { l.context_length as i64 } else { n });
         let default = if chat {
             l.context_length as i64
         } else {
@@ -729,7 +744,23 @@ async fn run(
     chat: bool,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    // Off the async workers: a long prompt's tokenization or a template's rendering takes a while.
+    let queue_full = || {
+        ApiError::with(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            "queue_full",
+            "the request queue is full; retry later",
+        )
+    };
+    // Refused before its tokenization is paid for; the queue may still fill meanwhile (then `submit` says so).
+    if l.engine.full() {
+        return Err(queue_full());
+    }
+    // Off the async workers: a long prompt's tokenization or a template's rendering takes a while. A few at a
+    // time, in arrival order (a fair semaphore), so a burst does not take the cores from the generation.
+    let Ok(_permit) = l.tokenizing.acquire().await else {
+        return Err(ApiError::engine_stopped());
+    };
     let (codec, limits) = (Arc::clone(&l.codec), l.limits);
     let checked = tokio::task::spawn_blocking(move || {
         let ids = prompt.tokenize(&codec)?;
@@ -757,17 +788,11 @@ async fn run(
         params,
         events: tx,
         arrived,
+        queued: Instant::now(),
     };
     match l.engine.submit(job) {
         Ok(()) => {}
-        Err(SubmitError::Full) => {
-            return Err(ApiError::with(
-                StatusCode::TOO_MANY_REQUESTS,
-                "rate_limit_error",
-                "queue_full",
-                "the request queue is full; retry later",
-            ))
-        }
+        Err(SubmitError::Full) => return Err(queue_full()),
         Err(SubmitError::Stopped) => return Err(ApiError::engine_stopped()),
     }
     // Unique within this server's life, and across restarts by the start time in it.
@@ -870,7 +895,6 @@ async fn whole_reply(r: Reply, mut rx: mpsc::UnboundedReceiver<Event>) -> Result
                 .into_response());
             }
             Some(Event::Failed(e)) => return Err(ApiError::from_model(e, r.chat)),
-            Some(Event::Started { .. }) => {}
             // The job's sender went without a word: the engine thread ended (its queue is cleared then).
             None => return Err(ApiError::engine_stopped()),
         }
@@ -929,7 +953,6 @@ fn stream_reply(r: Reply, rx: mpsc::UnboundedReceiver<Event>) -> Sse<impl Stream
                         let ev = SseEvent::default().data(ApiError::from_model(e, r.chat).body().to_string());
                         return Some((vec![ev, SseEvent::default().data("[DONE]")], (r, rx, last, true)));
                     }
-                    Some(Event::Started { .. }) => {}
                     // The engine thread ended (see `whole_reply`): said in the stream, which has its 200.
                     None => {
                         let ev = SseEvent::default().data(ApiError::engine_stopped().body().to_string());

@@ -21,17 +21,14 @@ pub struct Job {
     pub params: GenerateParams,
     /// Where the engine sends text and the end; dropping the receiver cancels the job.
     pub events: mpsc::UnboundedSender<Event>,
-    /// When the request arrived (queue time).
+    /// When the request arrived (the reply's latencies count from it).
     pub arrived: Instant,
+    /// When it was queued, its prompt tokenized and checked (the queue time counts from it).
+    pub queued: Instant,
 }
 
 /// What the engine reports back for a job.
 pub enum Event {
-    /// The prompt's token count, once tokenized (before any text).
-    Started {
-        /// Tokens in the prompt.
-        prompt_tokens: usize,
-    },
     /// A generated token's newly completed text (may be empty while text is held back).
     Text(String),
     /// Text held back until the last token, sent after it.
@@ -209,6 +206,11 @@ impl EngineHandle {
         self.queue.lock().stopped
     }
 
+    /// Whether the queue holds as many jobs as it may (a request now would get a 429).
+    pub fn full(&self) -> bool {
+        self.waiting() >= self.queue.capacity
+    }
+
     /// Jobs being generated (0 or 1).
     pub fn running(&self) -> usize {
         self.running.load(Ordering::SeqCst)
@@ -217,7 +219,7 @@ impl EngineHandle {
 
 fn run(p: Pipeline, queue: &Queue, running: Arc<AtomicUsize>, m: Arc<Metrics>) {
     while let Some(job) = queue.next() {
-        m.queue_time.observe(job.arrived.elapsed().as_secs_f64());
+        m.queue_time.observe(job.queued.elapsed().as_secs_f64());
         running.store(1, Ordering::SeqCst);
         let events = job.events;
         // Each generation starts from a fresh KV cache, so a panic (a bug) fails only its own request: the
@@ -228,9 +230,6 @@ fn run(p: Pipeline, queue: &Queue, running: Arc<AtomicUsize>, m: Arc<Metrics>) {
         let result = without_panics(|| match p.check_prompt(ids, &job.params) {
             Ok(()) => {
                 started = true;
-                let _ = events.send(Event::Started {
-                    prompt_tokens: ids.len(),
-                });
                 // The receiver is dropped when the client disconnects: stop at this token or prompt chunk.
                 p.generate_tokens(ids, chat, &job.params, |progress| match progress {
                     Progress::Prefill => !events.is_closed(),
@@ -282,6 +281,7 @@ mod tests {
             params: GenerateParams::default(),
             events,
             arrived: Instant::now(),
+            queued: Instant::now(),
         };
         (job, rx)
     }
@@ -320,21 +320,16 @@ mod tests {
         job.params.max_tokens = 3;
         job.params.prefill_chunk = Some(8);
         assert!(engine.submit(job).is_ok());
-        let (mut tokens, mut started) = (0, false);
+        let mut tokens = 0;
         let stats = loop {
             match rx.blocking_recv().expect("the engine ended the job") {
-                Event::Started { prompt_tokens } => {
-                    assert_eq!(prompt_tokens, 40);
-                    started = true;
-                }
                 Event::Text(_) => tokens += 1,
                 Event::Tail(_) => {}
                 Event::Done(stats) => break stats,
                 Event::Failed(e) => panic!("{e}"),
             }
         };
-        assert!(started);
-        assert_eq!((tokens, stats.generated_tokens), (3, 3));
+        assert_eq!((tokens, stats.generated_tokens, stats.prompt_tokens), (3, 3, 40));
     }
 
     #[test]

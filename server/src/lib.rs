@@ -123,6 +123,8 @@ pub async fn serve(
         context_length,
         codec,
         limits,
+        // As many as there are cores: more would only queue on them, and take them from the generation.
+        tokenizing: tokio::sync::Semaphore::new(std::thread::available_parallelism().map_or(2, |n| n.get())),
     });
     tracing::info!(%addr, "model loaded; serving");
     tokio::select! {
@@ -211,6 +213,7 @@ mod tests {
             context_length: limits.context,
             codec,
             limits,
+            tokenizing: tokio::sync::Semaphore::new(2),
         };
         assert!(state.loaded.set(loaded).is_ok());
         let rt = tokio::runtime::Runtime::new().unwrap();
@@ -250,5 +253,40 @@ mod tests {
             "chat_template_kwargs": {"enable_thinking": false}, "stream": true});
         let got = answer("/v1/chat/completions", chat.to_string());
         assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+        // Four streams held open fill the queue of four (the engine takes none): a fifth request is refused
+        // before its prompt is tokenized, so even a prompt over the context limit gets the 429.
+        let held: Vec<std::net::TcpStream> = (0..4)
+            .map(|_| {
+                let mut c = std::net::TcpStream::connect(addr).unwrap();
+                let body = serde_json::json!({"prompt": "x", "max_tokens": 1, "stream": true}).to_string();
+                write!(
+                    c,
+                    "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+                     Content-Length: {}\r\n\r\n{body}",
+                    body.len()
+                )
+                .unwrap();
+                let mut head = [0u8; 12];
+                c.read_exact(&mut head).unwrap();
+                assert_eq!(&head, b"HTTP/1.1 200");
+                c
+            })
+            .collect();
+        let long = serde_json::json!({"prompt": "word ".repeat(100), "max_tokens": 1}).to_string();
+        let got = answer("/v1/completions", long);
+        assert!(got.starts_with("HTTP/1.1 429"), "{got}");
+        // Their clients leave: their places are given up (the server notices the closed connections), and a
+        // new stream is queued again.
+        drop(held);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let stream = serde_json::json!({"prompt": "x", "max_tokens": 1, "stream": true}).to_string();
+            let got = answer("/v1/completions", stream);
+            if got.starts_with("HTTP/1.1 200") {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the queue stayed full: {got}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 }

@@ -459,7 +459,10 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
         (json!({"prompt": "x", "reasoning_effort": "high"}), "reasoning_effort"),
         // Other servers' fields that change the output are refused, not ignored.
         (json!({"prompt": "x", "typical_p": 0.5}), "typical_p"),
-        (json!({"prompt": "x", "repeat_last_n": 64}), "repeat_last_n"),
+        (
+            json!({"prompt": "x", "repeat_last_n": 64, "repetition_penalty": 1.1}),
+            "repeat_last_n",
+        ),
         (
             json!({"prompt": "x", "skip_special_tokens": false}),
             "skip_special_tokens",
@@ -518,7 +521,7 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
     // Those fields' "off" values, which clients send by default, pass; so do 16 stop strings of 512 bytes.
     let off = json!({"prompt": "x", "max_tokens": 2, "logprobs": false, "top_logprobs": null, "logit_bias": {},
         "echo": false, "best_of": 1, "tool_choice": "auto", "stop": vec!["s".repeat(512); 16], "typical_p": 1,
-        "mirostat": 0, "repeat_last_n": -1, "skip_special_tokens": true, "n_predict": -1, "bad_words": []});
+        "mirostat": 0, "repeat_last_n": 64, "skip_special_tokens": true, "bad_words": []});
     let (st, v) = post(&s, "/v1/completions", &off);
     assert_eq!(st, 200, "{v}");
     // A token id outside the vocabulary is a bad prompt, not a context overflow.
@@ -670,6 +673,12 @@ fn a_reply_without_max_tokens_runs_to_the_end_of_the_context() {
         assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
         assert_eq!(v["usage"]["completion_tokens"], want, "{body}: {v}");
     }
+    // llama.cpp's -1: no limit but the context's.
+    let body = json!({"prompt": "x", "ignore_eos": true, "n_predict": -1});
+    let (st, v) = post(&s, "/v1/completions", &body);
+    assert_eq!(st, 200, "{v}");
+    let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(v["usage"]["completion_tokens"].as_u64().unwrap(), 401 - prompt, "{v}");
     // One list of token ids in a list is that prompt (lm-evaluation-harness's form).
     let flat = post(
         &s,
@@ -846,8 +855,13 @@ fn a_client_that_disconnects_frees_the_engine() {
         body.len()
     )
     .unwrap();
-    let mut first = [0u8; 64];
-    let _ = c.read(&mut first).unwrap();
+    // Its first token: the generation runs (a stream's headers come when it is queued, before it runs).
+    let (mut got, mut buf) = (Vec::new(), [0u8; 256]);
+    while !String::from_utf8_lossy(&got).contains("data:") {
+        let n = c.read(&mut buf).unwrap();
+        assert!(n > 0, "the stream ended: {}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&buf[..n]);
+    }
     drop(c);
     // The next request runs (its place was freed), and nothing stays running afterwards.
     let (st, v) = post(&s, "/v1/completions", &json!({"prompt": "next", "max_tokens": 4}));

@@ -89,6 +89,8 @@ pub(super) fn upload_linear(
                     t[j * rows + i] = x;
                 }
             }
+            // Only the transposed copy beside MLX's while it copies (a bf16 head is a gigabyte of f32).
+            drop(v);
             let wt = f32s(&t, &[c, r]);
             Ok(MlxLinear::Dense { wt, bias })
         }
