@@ -454,6 +454,8 @@ mod q8_kernels {
         };
         for (group, want) in [(96, false), (32, true), (64, true), (128, true)] {
             let q = matrix(group, 384);
+            // Nor are they tiled (the tiled kernels are checked on MLX's sizes only).
+            assert_eq!(super::tiled::tiles(4, group, 384), want, "tiles, group {group}");
             for isa in Isa::available() {
                 let has = Q8Kernel::for_matrix(&q, isa).is_some();
                 if matches!(isa, Isa::Avx2 | Isa::Avx512) {

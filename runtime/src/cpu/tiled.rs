@@ -76,8 +76,9 @@ pub fn can_tile(q: &QuantMatrix<'_>) -> bool {
 
 /// Whether a matrix of `cols` columns, `bits`-bit in groups of `group`, can be tiled.
 pub fn tiles(bits: u32, group: usize, cols: usize) -> bool {
-    // Groups of at most 128 (MLX's largest): the row-major band kernel then gives a tiled matrix's bits.
-    bits == 4 && group.is_multiple_of(BLOCK) && (1..=128).contains(&group) && cols.is_multiple_of(group)
+    // MLX's group sizes, each whole blocks of at most 128 columns: the row-major band kernel then gives a tiled
+    // matrix's bits. Other sizes (96 would tile) run the exact kernels, as the row-major int8 kernels do.
+    bits == 4 && matches!(group, 32 | 64 | 128) && group.is_multiple_of(BLOCK) && cols.is_multiple_of(group)
 }
 
 /// `q` repacked into tiles in panels of `panel`, or `None` when [`can_tile`] or [`valid_panel`] says no.
