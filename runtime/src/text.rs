@@ -39,6 +39,39 @@ impl ChatMessage {
     }
 }
 
+/// Python's `str.isspace()`: Unicode whitespace and the separators U+001C–U+001F, which Rust's `trim` keeps.
+fn py_space(c: char) -> bool {
+    c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
+}
+
+/// Python's `str.strip(chars)` (`lstrip`, `rstrip`: one end): `chars` absent strips whitespace as Python does.
+fn py_strip(s: &str, chars: Option<&str>, left: bool, right: bool) -> String {
+    let strip = |c: char| chars.map_or_else(|| py_space(c), |set| set.contains(c));
+    let s = if left { s.trim_start_matches(strip) } else { s };
+    let s = if right { s.trim_end_matches(strip) } else { s };
+    s.to_string()
+}
+
+/// minijinja-contrib's Python string methods, with `strip`, `lstrip` and `rstrip` stripping Python's whitespace.
+fn python_methods(
+    state: &minijinja::State,
+    value: &JValue,
+    method: &str,
+    args: &[JValue],
+) -> std::result::Result<JValue, JinjaError> {
+    let ends = match method {
+        "strip" => Some((true, true)),
+        "lstrip" => Some((true, false)),
+        "rstrip" => Some((false, true)),
+        _ => None,
+    };
+    match (value.as_str(), ends, args) {
+        (Some(s), Some((left, right)), []) => Ok(JValue::from(py_strip(s, None, left, right))),
+        (Some(s), Some((left, right)), [chars]) if chars.is_none() => Ok(JValue::from(py_strip(s, None, left, right))),
+        _ => minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args),
+    }
+}
+
 /// A model's tokenizer, chat template and end-of-sequence tokens.
 pub struct TextCodec {
     tok: tokenizers::Tokenizer,
@@ -179,7 +212,10 @@ impl TextCodec {
         // Hugging Face renders with trim_blocks and lstrip_blocks, and Python string methods in templates.
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_unknown_method_callback(python_methods);
+        env.add_filter("trim", |v: String, chars: Option<String>| {
+            py_strip(&v, chars.as_deref(), true, true)
+        });
         env.add_function("raise_exception", |msg: String| -> Result<JValue, JinjaError> {
             Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
         });
@@ -558,6 +594,24 @@ mod tests {
         let (_d, c) = codec_with_template(Value::String(t.into()));
         let msgs = ["s", "u", "stop", "never"].map(|m| ChatMessage::new(if m == "s" { "system" } else { "user" }, m));
         assert_eq!(c.apply_chat_template(&msgs, false).unwrap(), "ustop");
+    }
+
+    #[test]
+    fn trim_and_strip_take_pythons_whitespace() {
+        // Python's str.strip() removes U+001C–U+001F too (Qwen3.5's template trims every message); with
+        // characters given, those are stripped.
+        let t = "{% for m in messages %}[{{ m.content|trim }}|{{ m.content.strip() }}|{{ m.content.lstrip() }}|\
+                 {{ m.content.rstrip() }}|{{ m.content.strip('x\u{1c}') }}|{{ m.content|trim('x\u{1c}') }}]{% endfor %}";
+        let (_d, c) = codec_with_template(Value::String(t.into()));
+        let msgs = [
+            ChatMessage::new("user", "\u{1c} x \u{1f}"),
+            ChatMessage::new("user", "xa\u{1c}"),
+        ];
+        assert_eq!(
+            c.apply_chat_template(&msgs, false).unwrap(),
+            // What Python gives.
+            "[x|x|x \u{1f}|\u{1c} x| x \u{1f}| x \u{1f}][xa|xa|xa\u{1c}|xa|a|a]"
+        );
     }
 
     #[test]
