@@ -20,6 +20,10 @@ pub struct ChatMessage {
     /// sees it undefined.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reasoning_content: Option<String>,
+    /// The text parts the content was given as (`content` joins them), for templates that walk a message's
+    /// parts themselves.
+    #[serde(skip)]
+    pub parts: Option<Vec<String>>,
 }
 
 impl ChatMessage {
@@ -29,7 +33,16 @@ impl ChatMessage {
             role: role.into(),
             content: content.into(),
             reasoning_content: None,
+            parts: None,
         }
+    }
+
+    /// A message whose content was given as text parts: joined one per line, as vLLM joins them for a template
+    /// that prints `content`; a template that walks the parts (Qwen3.5's) gets them as parts.
+    pub fn from_parts(role: &str, parts: Vec<String>) -> Self {
+        let mut m = Self::new(role, &parts.join("\n"));
+        m.parts = Some(parts);
+        m
     }
 
     /// The message with this reasoning.
@@ -70,6 +83,33 @@ fn python_methods(
         (Some(s), Some((left, right)), [chars]) if chars.is_none() => Ok(JValue::from(py_strip(s, None, left, right))),
         _ => minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args),
     }
+}
+
+/// Whether a chat template loops over a message's content (`{% for item in content %}`, `message.content`,
+/// `message['content']`): it is then written for OpenAI's list of parts, which it is given (vLLM tells the two
+/// kinds apart the same way, from the template).
+fn loops_over_content(template: &str) -> bool {
+    template.split("{%").skip(1).any(|block| {
+        let inner = block
+            .split("%}")
+            .next()
+            .unwrap_or("")
+            .trim_start_matches(['-', '+'])
+            .trim();
+        let Some(rest) = inner.strip_prefix("for ") else {
+            return false;
+        };
+        let Some((_, iterable)) = rest.split_once(" in ") else {
+            return false;
+        };
+        let first = iterable
+            .trim()
+            .split(|c: char| c.is_whitespace() || c == '|' || c == '-')
+            .next()
+            .unwrap_or("");
+        let first = first.trim_end_matches([']', '\'', '"']);
+        first.ends_with("content")
+    })
 }
 
 /// A model's tokenizer, chat template and end-of-sequence tokens.
@@ -223,6 +263,19 @@ impl TextCodec {
         env.add_filter("tojson", tojson);
         env.add_template("chat", template)
             .map_err(|e| ModelError::Tokenizer(format!("chat template: {e}")))?;
+        // Parts go to a template that loops over them; every other template gets the joined text.
+        let messages: Vec<Value> = (messages.iter())
+            .map(|m| {
+                let mut v = serde_json::to_value(m).unwrap_or(Value::Null);
+                if let (Some(parts), true) = (&m.parts, loops_over_content(template)) {
+                    v["content"] = parts
+                        .iter()
+                        .map(|t| serde_json::json!({"type": "text", "text": t}))
+                        .collect();
+                }
+                v
+            })
+            .collect();
         let own = minijinja::context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
@@ -612,6 +665,31 @@ mod tests {
             // What Python gives.
             "[x|x|x \u{1f}|\u{1c} x| x \u{1f}| x \u{1f}][xa|xa|xa\u{1c}|xa|a|a]"
         );
+    }
+
+    #[test]
+    fn text_parts_reach_a_template_that_walks_them_and_are_joined_for_others() {
+        // Qwen3.5's way: the template prints a string, or each text part of a list with nothing between.
+        let walks = "{% for m in messages %}{% if m.content is string %}{{ m.content }}{% else %}\
+                     {% for item in m.content %}{{ item.text }}{% endfor %}{% endif %}|{% endfor %}";
+        let prints = "{% for m in messages %}{{ m.content }}|{% endfor %}";
+        let msgs = [
+            ChatMessage::from_parts("user", vec!["ab".into(), "cd".into()]),
+            ChatMessage::new("user", "ef"),
+        ];
+        let (_d, c) = codec_with_template(Value::String(walks.into()));
+        assert_eq!(c.apply_chat_template(&msgs, false).unwrap(), "abcd|ef|");
+        let (_d, c) = codec_with_template(Value::String(prints.into()));
+        assert_eq!(c.apply_chat_template(&msgs, false).unwrap(), "ab\ncd|ef|");
+        for (t, want) in [
+            ("{%- for item in content %}", true),
+            ("{% for p in message['content'] if p.type == 'text' %}", true),
+            ("{% for p in m.content|selectattr('type') %}", true),
+            ("{% for message in messages %}", false),
+            ("{{ content }}", false),
+        ] {
+            assert_eq!(loops_over_content(t), want, "{t}");
+        }
     }
 
     #[test]

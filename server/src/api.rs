@@ -638,6 +638,7 @@ async fn chat_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiErr
                 Some("messages"),
             ));
         }
+        let mut parts = None;
         let text = match &m.content {
             // Only an assistant turn may leave its content out (OpenAI's rule: it carries tool calls then).
             None if m.role == "assistant" => String::new(),
@@ -648,19 +649,21 @@ async fn chat_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiErr
                 ))
             }
             Some(Content::Text(t)) => t.clone(),
-            Some(Content::Parts(parts)) => {
-                // One line each, as vLLM joins them: parts run together would merge their words.
-                let mut texts = Vec::with_capacity(parts.len());
-                for p in parts {
+            // Kept as parts: joined one per line for a template that prints the content (as vLLM joins them:
+            // parts run together would merge their words), given as parts to one that walks them.
+            Some(Content::Parts(list)) => {
+                let mut texts = Vec::with_capacity(list.len());
+                for p in list {
                     if p.kind != "text" {
                         return Err(ApiError::bad(
                             format!("content part `{}` is not supported", p.kind),
                             Some("messages"),
                         ));
                     }
-                    texts.push(p.text.as_deref().unwrap_or(""));
+                    texts.push(p.text.clone().unwrap_or_default());
                 }
-                texts.join("\n")
+                parts = Some(texts);
+                String::new()
             }
         };
         let role = if m.role == "developer" {
@@ -668,7 +671,10 @@ async fn chat_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiErr
         } else {
             m.role.as_str()
         };
-        let msg = ChatMessage::new(role, &text);
+        let msg = match parts {
+            Some(parts) => ChatMessage::from_parts(role, parts),
+            None => ChatMessage::new(role, &text),
+        };
         msgs.push(match &m.reasoning_content {
             Some(r) => msg.with_reasoning(r),
             None => msg,
