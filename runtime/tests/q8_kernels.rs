@@ -74,8 +74,11 @@ fn matmul_matches_the_int8_oracle_for_every_shape() {
     ] {
         let gpr = cols / group;
         let codes: Vec<u32> = (0..rows * cols).map(|_| rng.gen_range(0..(1u32 << bits))).collect();
-        let scales: Vec<f32> = (0..rows * gpr).map(|_| rng.gen_range(-0.1f32..0.1)).collect();
-        let biases: Vec<f32> = (0..rows * gpr).map(|_| rng.gen_range(-1f32..1.0)).collect();
+        // Multiples of 2^-10 of at most 8 significant bits: f32, f16 and bf16 hold them exactly, so every scale
+        // type means the same weights (MLX stores bf16 scales as often as f32).
+        let mut grid = |most: i32| rng.gen_range(-most..=most) as f32 / 1024.0;
+        let scales: Vec<f32> = (0..rows * gpr).map(|_| grid(102)).collect();
+        let biases: Vec<f32> = (0..rows * gpr).map(|_| grid(255) * 4.0).collect();
         let x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-3f32..3.0)).collect();
         let packed = pack_codes(bits, &codes);
         let weights = Weights {
@@ -86,7 +89,17 @@ fn matmul_matches_the_int8_oracle_for_every_shape() {
             rows,
             cols,
         };
-        check_stored(&weights, bits, FloatType::F32, &packed, &x, n, &format!("bits {bits}"));
+        for ty in [FloatType::F32, FloatType::F16, FloatType::BF16] {
+            check_stored(
+                &weights,
+                bits,
+                ty,
+                &packed,
+                &x,
+                n,
+                &format!("bits {bits}, {ty:?} scales"),
+            );
+        }
     }
 }
 
