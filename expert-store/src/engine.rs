@@ -640,11 +640,18 @@ impl Inner {
     /// Drops the queued (not yet started) prefetches of `layer` for experts not in `keep`: their entries go,
     /// their slots return to the free list, nothing was read.
     fn drop_queued_prefetches(&self, st: &mut State, layer: usize, keep: &[usize]) {
+        self.drop_queued_prefetches_where(st, |key| key.0 == layer && !keep.contains(&key.1));
+    }
+
+    /// Drops the queued (not yet started) prefetches whose key `drop` picks, as
+    /// [`Inner::drop_queued_prefetches`] does.
+    fn drop_queued_prefetches_where(&self, st: &mut State, drop: impl Fn(Key) -> bool) {
         let mut q = lock(&self.queue);
         let mut i = 0;
+        let mut freed = false;
         while i < q.prefetch.len() {
             let key = q.prefetch[i].key;
-            if key.0 != layer || keep.contains(&key.1) {
+            if !drop(key) {
                 i += 1;
                 continue;
             }
@@ -652,9 +659,12 @@ impl Inner {
                 st.entries.pop(&key);
                 st.free.push(job.buf);
                 self.counters.prefetch_cancelled.fetch_add(1, Relaxed);
-                // A fetch may be waiting for a slot, which no landing read would now announce.
-                self.arrived.notify_all();
+                freed = true;
             }
+        }
+        if freed {
+            // A fetch may be waiting for a slot, which no landing read would now announce.
+            self.arrived.notify_all();
         }
     }
 
@@ -1352,15 +1362,7 @@ impl ExpertSource for StreamingSource {
         let mut st = lock(&inner.state);
         // Guesses not started are dropped, and reads under way (the last step's guesses) are waited for: landing
         // after the reset, they would be hits of a run that is meant to start cold.
-        {
-            let mut q = lock(&inner.queue);
-            while let Some(job) = q.prefetch.pop_front() {
-                st.entries.pop(&job.key);
-                st.free.push(job.buf);
-                inner.counters.prefetch_cancelled.fetch_add(1, Relaxed);
-            }
-        }
-        inner.arrived.notify_all();
+        inner.drop_queued_prefetches_where(&mut st, |_| true);
         let deadline = Instant::now() + Duration::from_secs(30);
         while (st.entries.iter()).any(|(_, e)| matches!(e.state, SlotState::Loading)) {
             let left = deadline.saturating_duration_since(Instant::now());

@@ -78,9 +78,14 @@ fn python_methods(
         "rstrip" => Some((false, true)),
         _ => None,
     };
-    match (value.as_str(), ends, args) {
-        (Some(s), Some((left, right)), []) => Ok(JValue::from(py_strip(s, None, left, right))),
-        (Some(s), Some((left, right)), [chars]) if chars.is_none() => Ok(JValue::from(py_strip(s, None, left, right))),
+    // No characters given (none, or `None`): Python's whitespace. With characters, minijinja-contrib's is Python's.
+    let no_chars = match args {
+        [] => true,
+        [chars] => chars.is_none(),
+        _ => false,
+    };
+    match (value.as_str(), ends) {
+        (Some(s), Some((left, right))) if no_chars => Ok(JValue::from(py_strip(s, None, left, right))),
         _ => minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args),
     }
 }
@@ -116,6 +121,8 @@ fn loops_over_content(template: &str) -> bool {
 pub struct TextCodec {
     tok: tokenizers::Tokenizer,
     chat_template: Option<String>,
+    /// Whether the template loops over a message's content ([`loops_over_content`]), read once at load.
+    template_walks_parts: bool,
     bos_token: Option<String>,
     eos_token: Option<String>,
     eos_ids: Vec<u32>,
@@ -191,6 +198,7 @@ impl TextCodec {
         eos_ids.dedup();
         Ok(Self {
             tok,
+            template_walks_parts: chat_template.as_deref().is_some_and(loops_over_content),
             chat_template,
             bos_token,
             eos_token,
@@ -267,7 +275,7 @@ impl TextCodec {
         let messages: Vec<Value> = (messages.iter())
             .map(|m| {
                 let mut v = serde_json::to_value(m).unwrap_or(Value::Null);
-                if let (Some(parts), true) = (&m.parts, loops_over_content(template)) {
+                if let (Some(parts), true) = (&m.parts, self.template_walks_parts) {
                     v["content"] = parts
                         .iter()
                         .map(|t| serde_json::json!({"type": "text", "text": t}))

@@ -40,11 +40,9 @@ pub struct Loaded {
     pub metrics: Arc<Metrics>,
     /// Experts per token the server runs (requests may lower it).
     pub top_k: usize,
-    /// Context limit in tokens (the one the memory plan's KV budget covers).
-    pub context_length: usize,
     /// The model's tokenizer and chat template (requests are tokenized by their handlers).
     pub codec: Arc<TextCodec>,
-    /// What a prompt must fit.
+    /// What a prompt must fit: the context limit (the one the memory plan's KV budget covers) and the vocabulary.
     pub limits: PromptLimits,
     /// Prompts tokenized at once (see `run`).
     pub tokenizing: tokio::sync::Semaphore,
@@ -104,6 +102,16 @@ impl ApiError {
             "server_error",
             "engine_stopped",
             "the engine stopped; restart the server",
+        )
+    }
+
+    /// 429 when the request queue is full.
+    fn queue_full() -> Self {
+        Self::with(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            "queue_full",
+            "the request queue is full; retry later",
         )
     }
 
@@ -469,21 +477,21 @@ impl Common {
         // and llama.cpp's server run it (a fixed default cut agents' replies, and a thinking model's, short); a
         // text completion gets 16 tokens, as OpenAI's legacy completions and vLLM give it. llama.cpp's
         // `n_predict` counts when the OpenAI names are absent, its -1 as no limit (the context's end).
-        let n_predict = (self.n_predict).map(|n| if n == -1 { l.context_length as i64 } else { n });
+        let n_predict = (self.n_predict).map(|n| if n == -1 { l.limits.context as i64 } else { n });
         let default = if chat {
-            l.context_length as i64
+            l.limits.context as i64
         } else {
-            16.min(l.context_length as i64)
+            16.min(l.limits.context as i64)
         };
         let max = (self.max_completion_tokens.or(self.max_tokens).or(n_predict)).unwrap_or(default);
-        if max < 1 || max as u64 > l.context_length as u64 {
+        if max < 1 || max as u64 > l.limits.context as u64 {
             let field = match (self.max_completion_tokens, self.max_tokens) {
                 (Some(_), _) => "max_completion_tokens",
                 (None, Some(_)) => "max_tokens",
                 _ => "n_predict",
             };
             return Err(ApiError::bad(
-                format!("{field} must be between 1 and the context length {}", l.context_length),
+                format!("{field} must be between 1 and the context length {}", l.limits.context),
                 Some(field),
             ));
         }
@@ -707,23 +715,25 @@ async fn completions_inner(st: &Arc<AppState>, req: Request) -> Result<Response,
     let prompt = match &body.prompt {
         Value::String(s) => Prompt::Raw(s.clone()),
         Value::Array(a) if a.len() == 1 && a[0].is_string() => Prompt::Raw(a[0].as_str().unwrap_or("").into()),
-        Value::Array(a) if token_ids(a).is_some() => Prompt::Tokens(token_ids(a).unwrap_or_default()),
-        // One list of token ids in a list (lm-evaluation-harness sends its prompts so).
-        Value::Array(a) if a.len() == 1 && a[0].as_array().and_then(|t| token_ids(t)).is_some() => {
-            Prompt::Tokens(a[0].as_array().and_then(|t| token_ids(t)).unwrap_or_default())
-        }
         Value::Array(a) if a.len() > 1 && a.iter().all(|v| v.is_string() || v.is_array()) => {
             return Err(ApiError::bad(
                 "one prompt per request: a list of several prompts is not supported yet",
                 Some("prompt"),
             ))
         }
-        _ => {
-            return Err(ApiError::bad(
-                "prompt must be a string or a list of token ids",
-                Some("prompt"),
-            ))
-        }
+        // A list of token ids, or one such list in a list (lm-evaluation-harness sends its prompts so).
+        other => match other.as_array().and_then(|a| match a.as_slice() {
+            [Value::Array(t)] => token_ids(t),
+            _ => token_ids(a),
+        }) {
+            Some(ids) => Prompt::Tokens(ids),
+            None => {
+                return Err(ApiError::bad(
+                    "prompt must be a string or a list of token ids",
+                    Some("prompt"),
+                ))
+            }
+        },
     };
     let params = body.common.params(st, l, false)?;
     run(l, &st.model_id, prompt, params, &body.common, false).await
@@ -750,17 +760,9 @@ async fn run(
     chat: bool,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let queue_full = || {
-        ApiError::with(
-            StatusCode::TOO_MANY_REQUESTS,
-            "rate_limit_error",
-            "queue_full",
-            "the request queue is full; retry later",
-        )
-    };
     // Refused before its tokenization is paid for; the queue may still fill meanwhile (then `submit` says so).
     if l.engine.full() {
-        return Err(queue_full());
+        return Err(ApiError::queue_full());
     }
     // Off the async workers: a long prompt's tokenization or a template's rendering takes a while. A few at a
     // time, in arrival order (a fair semaphore), so a burst does not take the cores from the generation.
@@ -798,7 +800,7 @@ async fn run(
     };
     match l.engine.submit(job) {
         Ok(()) => {}
-        Err(SubmitError::Full) => return Err(queue_full()),
+        Err(SubmitError::Full) => return Err(ApiError::queue_full()),
         Err(SubmitError::Stopped) => return Err(ApiError::engine_stopped()),
     }
     // Unique within this server's life, and across restarts by the start time in it.

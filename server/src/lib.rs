@@ -108,19 +108,17 @@ pub async fn serve(
         .check_top_k(cfg.top_k)
         .map_err(|e| ServeError::Load(e.to_string()))?;
     let top_k = cfg.top_k.unwrap_or(pipeline.model.info.default_top_k);
-    // The plan's, not the model's: KV beyond what the plan budgets would take the experts' room.
-    let context_length = pipeline.model.context_limit();
     // The slot memory the engine really holds (resident or streamed); 0 when experts are mmap'd.
     let m = &pipeline.model;
     let cache_bytes = m.expert_slots().unwrap_or(0) as u64 * m.expert_slot_len().unwrap_or(0) as u64;
     let metrics = Metrics::new(top_k, m.expert_counters(), cache_bytes);
+    // The plan's context, not the model's: KV beyond what the plan budgets would take the experts' room.
     let (codec, limits) = (Arc::clone(&pipeline.codec), pipeline.prompt_limits());
     let engine = EngineHandle::start(pipeline, cfg.max_queue, cfg.threads, Arc::clone(&metrics));
     let _ = state.loaded.set(Loaded {
         engine,
         metrics,
         top_k,
-        context_length,
         codec,
         limits,
         // As many as there are cores: more would only queue on them, and take them from the generation.
@@ -210,7 +208,6 @@ mod tests {
             engine: EngineHandle::idle(4, Arc::clone(&metrics)),
             metrics,
             top_k: 4,
-            context_length: limits.context,
             codec,
             limits,
             tokenizing: tokio::sync::Semaphore::new(2),
