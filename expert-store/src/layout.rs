@@ -50,6 +50,14 @@ impl PosixFile {
             path: path.to_path_buf(),
         })
     }
+
+    /// The file's length now.
+    pub fn file_len(&self) -> Result<u64, StoreError> {
+        (self.file.metadata().map(|m| m.len())).map_err(|source| StoreError::Io {
+            path: self.path.clone(),
+            source,
+        })
+    }
 }
 
 impl ReadAt for PosixFile {

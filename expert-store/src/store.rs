@@ -340,7 +340,21 @@ impl PackedStore {
 
     /// The record table for the engine; `direct` opens the data file with O_DIRECT / F_NOCACHE.
     pub fn table(&self, direct: bool) -> Result<RecordTable, StoreError> {
-        self.table_over(Arc::new(PosixFile::open(&self.data_path(), direct)?))
+        let path = self.data_path();
+        let file = PosixFile::open(&path, direct)?;
+        // The file checked at `open` may have been replaced since (a `convert --force` racing this load); a
+        // different length means other records, which would fail each first read's checksum one at a time.
+        let len = file.file_len()?;
+        if len != self.manifest.data_len {
+            return Err(bad(
+                &path,
+                format!(
+                    "is {len} bytes, the manifest says {} (replaced since the store was opened?)",
+                    self.manifest.data_len
+                ),
+            ));
+        }
+        self.table_over(Arc::new(file))
     }
 
     /// The record table reading through `file` (tests inject faults here).

@@ -364,6 +364,16 @@ fn corrupt_stores_are_clear_errors() {
     let err = Pipeline::load_with(&store_dir, &all).err().unwrap().to_string();
     assert!(err.contains("experts.bin") && err.contains("truncated"), "{err}");
     std::fs::write(&data, &bytes).unwrap();
+    // Replaced between the manifest's check and the engine's open (a `convert --force` racing a load).
+    let opened = PackedStore::open(&store_dir).unwrap();
+    std::fs::write(&data, &bytes[..bytes.len() - 4096]).unwrap();
+    let err = opened.table(false).err().map(|e| e.to_string());
+    assert!(
+        err.as_ref()
+            .is_some_and(|e| e.contains("experts.bin") && e.contains("replaced since")),
+        "{err:?}"
+    );
+    std::fs::write(&data, &bytes).unwrap();
 
     // A manifest pointing at a different model.
     let mpath = store_dir.join(expert_store::MANIFEST_FILE);
