@@ -74,6 +74,9 @@ else
   # llama.cpp cannot repack (copy) 29 GB into 24 GB of RAM: weights stay in the mmap. Its timed decode follows
   # an untimed 16-token context (-d 16), as sluice's follows its 16-token prompt: both start decoding with the
   # experts those tokens used already read (about 44% of each layer's here).
+  # llama-bench draws its tokens from an unseeded std::rand(), so its warm run feeds the cold run's tokens again
+  # and finds exactly their experts in the page cache; sluice's warm run feeds new ones. The warm ratio leans
+  # toward llama.cpp by that much.
   quiet; drop; "$LLAMA_BIN/llama-bench" -m "$GGUF" -t "$(nproc)" -p 0 -n 32 -d 16 -r 1 --repack 0 -o json > "$OUT/llama.json"
   "$LLAMA_BIN/llama-bench" -m "$GGUF" -t "$(nproc)" -p 0 -n 32 -d 16 -r 1 --repack 0 -o json > "$OUT/llama-warm.json"
   want_mlx
@@ -180,7 +183,7 @@ for label, run in [(label, r) for label, src in sources for r in src["runs"]]:
              f"({b['lru_misses_per_token']:.1f} misses/token against the optimum's {b['optimal_misses_per_token']:.1f}) "
              f"{b['lru_tok_s']:.2f} tok/s, achieved {b['lru_achieved']:.0%}") if b else ""
     probes = run.get("disk_probes_gb_s")
-    probed = f"disk probes {probes[0]:.2f} before and {probes[1]:.2f} after it (bounds at their mean); " if probes else ""
+    probed = f"disk probes {probes[0]:.2f} before and {probes[1]:.2f} after it (bounds at the faster); " if probes else ""
     lines.append(f"{name}: {probed}read {run['read_bytes_per_token'] / 1e6:.0f} MB/token at {run['read_gb_s']:.2f} GB/s, "
                  f"hit rate {run['hit_rate']:.2f}, I/O wait {run['io_wait_share']:.0%}{bound}")
 lines += ["", "raw: llama*.json, sluice*.json beside this file"]

@@ -87,27 +87,41 @@ impl ExpertSource for TracingSource {
     }
 }
 
-/// Misses of Belady's optimal replacement (evict the record used furthest in the future) with `slots` slots,
-/// starting empty, over `requests`; only requests at indices in `counted` are counted.
-pub fn optimal_misses(requests: &[RecordKey], slots: usize, counted: std::ops::Range<usize>) -> u64 {
-    let n = requests.len();
+/// The records Belady's optimal replacement (evict the record used furthest in the future) with `slots` slots
+/// misses in the window `counted` of `requests`, in request order. The cache enters the window as the best one
+/// the requests before it could have left: up to `slots` of the records asked for before the window, those
+/// wanted soonest in it. No cache that holds only records asked for misses fewer in the window (over a window
+/// from the start, this is Belady's from an empty cache); simulating the whole prefix instead would let Belady
+/// trade misses before the window for misses inside it.
+pub fn optimal_misses(requests: &[RecordKey], slots: usize, counted: std::ops::Range<usize>) -> Vec<RecordKey> {
+    let (start, end) = (counted.start.min(requests.len()), counted.end.min(requests.len()));
+    let window = &requests[start..end.max(start)];
+    let n = window.len();
     let mut next_use = vec![usize::MAX; n];
-    let mut seen: HashMap<RecordKey, usize> = HashMap::new();
+    let mut first_use: HashMap<RecordKey, usize> = HashMap::new();
     for i in (0..n).rev() {
-        if let Some(&j) = seen.get(&requests[i]) {
+        if let Some(&j) = first_use.get(&window[i]) {
             next_use[i] = j;
         }
-        seen.insert(requests[i], i);
+        first_use.insert(window[i], i);
     }
     // Cached records with their next use; the heap holds (next use, key) with stale entries skipped.
     let mut cached: HashMap<RecordKey, usize> = HashMap::new();
     let mut heap: BinaryHeap<(usize, RecordKey)> = BinaryHeap::new();
-    let mut misses = 0;
-    for (i, &key) in requests.iter().enumerate() {
+    let mut before: Vec<(usize, RecordKey)> = (requests[..start].iter())
+        .collect::<std::collections::HashSet<_>>()
+        .into_iter()
+        .filter_map(|k| first_use.get(k).map(|&at| (at, *k)))
+        .collect();
+    before.sort_unstable();
+    for &(at, key) in before.iter().take(slots) {
+        cached.insert(key, at);
+        heap.push((at, key));
+    }
+    let mut misses = Vec::new();
+    for (i, &key) in window.iter().enumerate() {
         if !cached.contains_key(&key) {
-            if counted.contains(&i) {
-                misses += 1;
-            }
+            misses.push(key);
             if slots == 0 {
                 continue;
             }
@@ -127,19 +141,20 @@ pub fn optimal_misses(requests: &[RecordKey], slots: usize, counted: std::ops::R
     misses
 }
 
-/// Misses of a least-recently-used cache with `slots` slots, starting empty, over `requests`; only requests at
-/// indices in `counted` are counted. What a plain online cache gets on the same trace: beside
+/// The records a least-recently-used cache with `slots` slots, starting empty, misses over `requests`, in order;
+/// only requests at indices in `counted` are counted. What a plain online cache gets on the same trace: beside
 /// [`optimal_misses`] it tells what only knowing the future saves (on near-uniform routing, about what any
 /// online policy would miss) from what a run loses below it.
-pub fn lru_misses(requests: &[RecordKey], slots: usize, counted: std::ops::Range<usize>) -> u64 {
+pub fn lru_misses(requests: &[RecordKey], slots: usize, counted: std::ops::Range<usize>) -> Vec<RecordKey> {
+    let end = counted.end.min(requests.len());
     let Some(cap) = std::num::NonZeroUsize::new(slots) else {
-        return requests.len().min(counted.end).saturating_sub(counted.start) as u64;
+        return requests[counted.start.min(end)..end].to_vec();
     };
     let mut cache = lru::LruCache::new(cap);
-    let mut misses = 0;
-    for (i, &key) in requests.iter().enumerate() {
+    let mut misses = Vec::new();
+    for (i, &key) in requests[..end].iter().enumerate() {
         if cache.put(key, ()).is_none() && counted.contains(&i) {
-            misses += 1;
+            misses.push(key);
         }
     }
     misses
@@ -151,6 +166,14 @@ mod tests {
 
     fn keys(ids: &[usize]) -> Vec<RecordKey> {
         ids.iter().map(|&e| (0, e)).collect()
+    }
+
+    fn opt(r: &[RecordKey], slots: usize, counted: std::ops::Range<usize>) -> u64 {
+        optimal_misses(r, slots, counted).len() as u64
+    }
+
+    fn lru(r: &[RecordKey], slots: usize, counted: std::ops::Range<usize>) -> u64 {
+        lru_misses(r, slots, counted).len() as u64
     }
 
     /// Least-recently-used misses by the definition (a list in use order), the oracle of [`super::lru_misses`].
@@ -171,19 +194,86 @@ mod tests {
         misses
     }
 
+    /// The fewest misses in `requests[from..]` of any replacement (a missed record takes a slot, as the engine's
+    /// reads do), by trying every victim at every miss, from every cache the requests before `from` could have left: the oracle of [`super::optimal_misses`].
+    fn fewest_misses(requests: &[RecordKey], slots: usize, from: usize) -> u64 {
+        fn go(r: &[RecordKey], slots: usize, cache: &mut Vec<RecordKey>) -> u64 {
+            let Some((&key, rest)) = r.split_first() else {
+                return 0;
+            };
+            if cache.contains(&key) {
+                return go(rest, slots, cache);
+            }
+            if cache.len() < slots {
+                cache.push(key);
+                let m = 1 + go(rest, slots, cache);
+                cache.pop();
+                return m;
+            }
+            let mut best = u64::MAX;
+            for v in 0..cache.len() {
+                let old = std::mem::replace(&mut cache[v], key);
+                best = best.min(1 + go(rest, slots, cache));
+                cache[v] = old;
+            }
+            best
+        }
+        let mut seen: Vec<RecordKey> = requests[..from].to_vec();
+        seen.sort_unstable();
+        seen.dedup();
+        // Every subset of the records seen before of at most `slots` (small traces only).
+        let mut best = u64::MAX;
+        for mask in 0u32..1 << seen.len() {
+            if mask.count_ones() as usize <= slots {
+                let mut cache: Vec<RecordKey> = (0..seen.len())
+                    .filter(|b| mask >> b & 1 == 1)
+                    .map(|b| seen[b])
+                    .collect();
+                best = best.min(go(&requests[from..], slots, &mut cache));
+            }
+        }
+        best
+    }
+
     #[test]
     fn optimal_replacement_by_hand() {
         // The textbook reference string (Silberschatz): 3 frames, optimal 9 faults, LRU 12.
         let r = keys(&[7, 0, 1, 2, 0, 3, 0, 4, 2, 3, 0, 3, 2, 1, 2, 0, 1, 7, 0, 1]);
-        assert_eq!(optimal_misses(&r, 3, 0..r.len()), 9);
+        assert_eq!(opt(&r, 3, 0..r.len()), 9);
         assert_eq!(naive_lru_misses(&r, 3), 12);
-        assert_eq!(lru_misses(&r, 3, 0..r.len()), 12);
-        assert_eq!(lru_misses(&r, 0, 0..r.len()), r.len() as u64);
-        assert_eq!(lru_misses(&r, 0, 5..9), 4);
+        assert_eq!(lru(&r, 3, 0..r.len()), 12);
+        assert_eq!(lru(&r, 0, 0..r.len()), r.len() as u64);
+        assert_eq!(lru(&r, 0, 5..9), 4);
         // Only the counted range counts; with room for everything only first uses miss.
-        assert_eq!(optimal_misses(&r, 3, 0..3), 3);
-        assert_eq!(optimal_misses(&r, 8, 0..r.len()), 6);
-        assert_eq!(optimal_misses(&r, 0, 0..r.len()), r.len() as u64);
+        assert_eq!(opt(&r, 3, 0..3), 3);
+        assert_eq!(opt(&r, 8, 0..r.len()), 6);
+        assert_eq!(opt(&r, 0, 0..r.len()), r.len() as u64);
+        // A B C A | B with 2 slots: Belady run from the start keeps A for its next use and misses B in the window;
+        // a cache that kept B misses nothing there.
+        let r = keys(&[0, 1, 2, 0, 1]);
+        assert_eq!(opt(&r, 2, 4..5), 0);
+        assert_eq!(optimal_misses(&r, 2, 0..5), keys(&[0, 1, 2, 1]));
+    }
+
+    #[test]
+    fn optimal_is_the_fewest_any_replacement_gets() {
+        let mut x: u64 = 777;
+        for round in 0..60 {
+            let slots = 1 + round % 3;
+            let r: Vec<RecordKey> = (0..10)
+                .map(|_| {
+                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    (0, (x >> 33) as usize % 5)
+                })
+                .collect();
+            for from in [0, 3, 6] {
+                assert_eq!(
+                    opt(&r, slots, from..r.len()),
+                    fewest_misses(&r, slots, from),
+                    "{r:?}, {slots} slots, from {from}"
+                );
+            }
+        }
     }
 
     #[test]
@@ -196,14 +286,18 @@ mod tests {
                     ((x >> 60) as usize % 2, (x >> 33) as usize % 12)
                 })
                 .collect();
-            let (opt, lru) = (optimal_misses(&r, slots, 0..r.len()), naive_lru_misses(&r, slots));
-            assert!(opt <= lru, "{slots} slots: optimal {opt} > LRU {lru}");
-            assert_eq!(lru_misses(&r, slots, 0..r.len()), lru, "{slots} slots");
+            let (o, l) = (opt(&r, slots, 0..r.len()), naive_lru_misses(&r, slots));
+            assert!(o <= l, "{slots} slots: optimal {o} > LRU {l}");
+            assert_eq!(lru(&r, slots, 0..r.len()), l, "{slots} slots");
             // A counted window counts the misses inside it, with the cache warmed by what came before.
             let before = naive_lru_misses(&r[..200], slots);
-            assert_eq!(lru_misses(&r, slots, 200..r.len()), lru - before, "{slots} slots");
+            assert_eq!(lru(&r, slots, 200..r.len()), l - before, "{slots} slots");
+            assert!(
+                opt(&r, slots, 200..r.len()) <= lru(&r, slots, 200..r.len()),
+                "{slots} slots"
+            );
             let distinct = r.iter().collect::<std::collections::HashSet<_>>().len() as u64;
-            assert!(opt >= distinct, "first uses always miss");
+            assert!(o >= distinct, "first uses always miss");
         }
     }
 }

@@ -193,23 +193,33 @@ fn open_table(
     }
 }
 
-/// Bytes of the largest expert record: as packed (padded) when a store serves the experts, else the sum of
-/// one expert's slices of its stacked tensors.
-pub(crate) fn record_bytes(ckpt: &Checkpoint, stacks: &[StackedExperts], store: Option<&PackedStore>) -> u64 {
-    if let Some(s) = store {
-        return s.manifest().layers.iter().map(|l| l.record_len).max().unwrap_or(0);
+/// Bytes of each layer's expert records, by layer index (0 for a layer without experts): as packed (padded)
+/// when a store serves the experts, else the sum of one expert's slices of its stacked tensors.
+pub(crate) fn record_bytes_by_layer(
+    ckpt: &Checkpoint,
+    stacks: &[StackedExperts],
+    store: Option<&PackedStore>,
+    layers: usize,
+) -> Vec<u64> {
+    let mut by_layer = vec![0u64; layers];
+    let mut set = |layer: usize, bytes: u64| {
+        if let Some(b) = by_layer.get_mut(layer) {
+            *b = bytes;
+        }
+    };
+    match store {
+        Some(s) => (s.manifest().layers.iter()).for_each(|l| set(l.layer, l.record_len)),
+        None => {
+            for s in stacks {
+                let per_expert = (s.tensors.iter())
+                    .filter_map(|n| ckpt.get(n))
+                    .map(|t| (t.bytes().len() / s.num_experts.max(1)) as u64)
+                    .sum::<u64>();
+                set(s.layer, per_expert);
+            }
+        }
     }
-    stacks
-        .iter()
-        .map(|s| {
-            s.tensors
-                .iter()
-                .filter_map(|n| ckpt.get(n))
-                .map(|t| (t.bytes().len() / s.num_experts.max(1)) as u64)
-                .sum::<u64>()
-        })
-        .max()
-        .unwrap_or(0)
+    by_layer
 }
 
 #[cfg(test)]

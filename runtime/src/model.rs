@@ -59,8 +59,11 @@ pub struct ModelInfo {
     pub num_layers: usize,
     /// Layers with routed experts.
     pub moe_layers: usize,
-    /// Bytes of the largest expert record (what one miss reads).
+    /// Bytes of the largest expert record (the most one miss reads; what a slot holds).
     pub expert_record_bytes: u64,
+    /// Bytes of each layer's expert records, by layer index (0 for a layer without experts): what a miss in
+    /// that layer reads (layers of a mixed-precision model differ).
+    pub expert_record_bytes_by_layer: Vec<u64>,
     /// Expert records reach the kernels in the int8 kernels' tiles: rewritten as they load (cpu backend, 4-bit
     /// records), or stored so (a store converted with `--layout tiled`).
     pub tiled_experts: bool,

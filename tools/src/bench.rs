@@ -17,6 +17,7 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use sluice_runtime::config::ModelConfig;
 use sluice_runtime::forecast::size_from_config;
+use sluice_runtime::memory_plan::ExpertPlacement;
 use sluice_runtime::{DecoderModel, ExpertOptions, ForwardOptions, Part, Pipeline, PrefetchMode};
 
 use crate::store_cmds::EngineArgs;
@@ -127,22 +128,24 @@ pub(crate) struct RunReport {
     pub(crate) decode_split: Vec<(String, f64)>,
     pub(crate) decode_counters: Option<CounterSnapshot>,
     /// Disk probes at fresh offsets right before and right after this run, GB/s (streamed runs, when the
-    /// probe file bypasses the page cache): its bounds read misses at their mean.
+    /// probe file bypasses the page cache): its bounds read misses at the faster of the two.
     pub(crate) disk_probes_gb_s: Option<[f64; 2]>,
 }
 
 impl RunReport {
-    /// The disk bandwidth this run's bounds use: the mean of its own probes, else `fallback`.
+    /// The disk bandwidth this run's bounds use: the faster of its own probes (the disk showed it could; the
+    /// mean would credit a run for a slow spell it may not have met), else `fallback`.
     fn disk_gb_s(&self, fallback: f64) -> f64 {
         self.disk_probes_gb_s
-            .map_or(fallback, |[before, after]| (before + after) / 2.0)
+            .map_or(fallback, |[before, after]| before.max(after))
     }
 }
 
 /// What an optimal cache allows one phase (prefill or decode) of a run: the bound it is judged against.
 #[derive(Serialize)]
 pub(crate) struct Bound {
-    /// Misses per token an optimal (Belady) cache of the same slots would have on the same trace.
+    /// Misses per token an optimal (Belady) cache of the same slots would have on the same trace, entering the
+    /// phase holding the best of the records asked for before it.
     pub(crate) optimal_misses_per_token: f64,
     /// Tokens/s if those misses were read at the disk probe, overlapped with the in-RAM compute of the same
     /// shape.
@@ -157,6 +160,9 @@ pub(crate) struct Bound {
     pub(crate) lru_tok_s: f64,
     /// Speed achieved / `lru_tok_s`.
     pub(crate) lru_achieved: f64,
+    /// Reads went through the page cache, which served misses of the slots beyond their budget: the bounds
+    /// give the optimal cache only the slots, so `achieved` may overstate (direct reads make them comparable).
+    pub(crate) page_cache_beyond_slots: bool,
 }
 
 /// Everything `bench` reports.
@@ -356,6 +362,8 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         }
     };
     let (record_bytes, moe_layers) = (m.info.expert_record_bytes, m.info.moe_layers);
+    // What `top_k` experts of every layer read: each layer's own record size (mixed-precision layers differ).
+    let expert_bytes_per_token = top_k as u64 * m.info.expert_record_bytes_by_layer.iter().sum::<u64>();
     let counters = m.expert_counters();
     let streaming = counters.is_some();
     let probe = Duration::from_secs_f64(a.probe_seconds.max(0.0));
@@ -370,6 +378,8 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
             .transpose()
     };
     let mut runs = Vec::new();
+    // A warm run's warm-up, when no cold run came first (its part of the trace is marked too).
+    let mut warmup = None;
     // The disk probes between runs: before the first, between each two, and (below) after the last.
     let mut probes = Vec::new();
     let per_run = a.prompt_tokens + a.gen_tokens;
@@ -393,7 +403,15 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
     if warm {
         if !cold {
             // Warm up on the first half, measure on the second.
-            measure(m, "warmup", &stream[..per_run], a.prompt_tokens, chunk, top_k, trace)?;
+            warmup = Some(measure(
+                m,
+                "warmup",
+                &stream[..per_run],
+                a.prompt_tokens,
+                chunk,
+                top_k,
+                trace,
+            )?);
         }
         let second = &stream[per_run..2 * per_run];
         probes.push(adjacent_probe()?);
@@ -456,12 +474,20 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         let requests = requests.as_deref().context(
             "--trace-out needs experts served by the expert cache (resident or streamed), not --experts mmap",
         )?;
-        write_trace(path, requests, &runs).with_context(|| format!("writing {}", path.display()))?;
+        write_trace(path, requests, warmup.iter().chain(&runs))
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     if let (Some(requests), Some(slots), Some(disk), Some(ram)) = (&requests, slots, disk_probe_gb_s, &in_ram) {
+        let cache = OptimalCache {
+            slots,
+            record_bytes: &m.info.expert_record_bytes_by_layer,
+            // Resident records were all read at load: no phase misses any.
+            resident: m.memory_plan.placement == ExpertPlacement::Resident,
+            buffered: !m.memory_plan.direct_io,
+        };
         for r in &mut runs {
             let disk = r.disk_gb_s(disk);
-            judge_against_optimal(r, requests, slots, record_bytes, disk, ram);
+            judge_against_optimal(r, requests, &cache, disk, ram);
         }
     }
     let report = Report {
@@ -472,7 +498,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         top_k,
         layers: m.info.num_layers,
         record_bytes,
-        expert_bytes_per_token: record_bytes * (top_k * moe_layers) as u64,
+        expert_bytes_per_token,
         cache_slots: slots,
         io_depth: opts.io_depth,
         guess_depth: expert_store::EngineOptions {
@@ -499,8 +525,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         dram_probe_gb_s: dram.map(|d| d.best()),
         dram_one_stream_gb_s: dram.map(|d| d.one_stream),
         dram_four_streams_gb_s: dram.map(|d| d.four_streams),
-        weight_bytes_per_token: resident_read_per_token(&a.model, &opts)
-            .map(|r| r + record_bytes * (top_k * moe_layers) as u64),
+        weight_bytes_per_token: resident_read_per_token(&a.model, &opts).map(|r| r + expert_bytes_per_token),
         fresh_memory_gb_s,
         in_ram,
         runs,
@@ -525,7 +550,11 @@ fn resident_read_per_token(model: &Path, opts: &ExpertOptions) -> Option<u64> {
 }
 
 /// The routing trace as text: `layer expert` per request, a comment where each run's prefill and decode begin.
-fn write_trace(path: &Path, requests: &[RecordKey], runs: &[RunReport]) -> std::io::Result<()> {
+fn write_trace<'a>(
+    path: &Path,
+    requests: &[RecordKey],
+    runs: impl Iterator<Item = &'a RunReport>,
+) -> std::io::Result<()> {
     use std::io::Write;
     let mut marks: Vec<(usize, String)> = Vec::new();
     for r in runs {
@@ -544,34 +573,52 @@ fn write_trace(path: &Path, requests: &[RecordKey], runs: &[RunReport]) -> std::
     out.flush()
 }
 
-/// Fills in run `r`'s bounds for prefill and decode: the misses an optimal cache of `slots` would have on
-/// the phase's part of `requests`, read at `disk_gb_s`, overlapped with the phase's in-RAM compute.
-fn judge_against_optimal(
-    r: &mut RunReport,
-    requests: &[RecordKey],
+/// The cache a run's bounds give the optimal replacement.
+struct OptimalCache<'a> {
+    /// Its slots (one record each).
     slots: usize,
-    record_bytes: u64,
-    disk_gb_s: f64,
-    ram: &InRam,
-) {
+    /// Bytes a miss in each layer reads, by layer index.
+    record_bytes: &'a [u64],
+    /// Every record was read at load (`--experts resident`): nothing misses.
+    resident: bool,
+    /// Reads went through the page cache (see [`Bound::page_cache_beyond_slots`]).
+    buffered: bool,
+}
+
+/// Fills in run `r`'s bounds for prefill and decode: the misses an optimal cache would have on the phase's
+/// part of `requests`, each read at `disk_gb_s` at its own layer's record size, overlapped with the phase's
+/// in-RAM compute.
+fn judge_against_optimal(r: &mut RunReport, requests: &[RecordKey], cache: &OptimalCache, disk_gb_s: f64, ram: &InRam) {
     let Some([prefill, decode]) = r.trace_ranges.clone() else {
         return;
     };
     let bound = |range: std::ops::Range<usize>, tokens: usize, tok_s: f64, ram_tok_s: f64| {
         let tokens = tokens as f64;
-        let io = |misses: f64| misses * record_bytes as f64 / (disk_gb_s * 1e9);
+        let io = |misses: &[RecordKey]| {
+            let bytes: u64 = (misses.iter())
+                .map(|&(l, _)| cache.record_bytes.get(l).copied().unwrap_or(0))
+                .sum();
+            bytes as f64 / (disk_gb_s * 1e9)
+        };
         let compute = tokens / ram_tok_s;
-        let misses = optimal_misses(&requests[..range.end], slots, range.clone()) as f64;
-        let lru = lru_misses(&requests[..range.end], slots, range) as f64;
-        let (tok_s_bound, lru_bound) = (tokens / io(misses).max(compute), tokens / io(lru).max(compute));
+        let (misses, lru) = if cache.resident {
+            (Vec::new(), Vec::new())
+        } else {
+            (
+                optimal_misses(&requests[..range.end], cache.slots, range.clone()),
+                lru_misses(&requests[..range.end], cache.slots, range),
+            )
+        };
+        let (tok_s_bound, lru_bound) = (tokens / io(&misses).max(compute), tokens / io(&lru).max(compute));
         Bound {
-            optimal_misses_per_token: misses / tokens,
+            optimal_misses_per_token: misses.len() as f64 / tokens,
             tok_s: tok_s_bound,
-            limit: if io(misses) > compute { "disk" } else { "compute" }.into(),
+            limit: if io(&misses) > compute { "disk" } else { "compute" }.into(),
             achieved: tok_s / tok_s_bound,
-            lru_misses_per_token: lru / tokens,
+            lru_misses_per_token: lru.len() as f64 / tokens,
             lru_tok_s: lru_bound,
             lru_achieved: tok_s / lru_bound,
+            page_cache_beyond_slots: cache.buffered && !cache.resident,
         }
     };
     r.prefill_bound = Some(bound(prefill, r.prompt_tokens, r.prefill_tok_s, ram.prefill_tok_s));
@@ -861,6 +908,9 @@ pub(crate) fn disk_probe_file(
     // the OS (a VM host's) may hold from the last run (README, "`sluice bench`").
     let seed: u64 = rand::random();
     let (fresh, rereads) = (AtomicU64::new(0), AtomicU64::new(0));
+    // A failed read ends the probe with its error: bytes not read would make the disk look slower (and the
+    // bounds easier to reach), or read nothing at all.
+    let failed: OnceLock<std::io::Error> = OnceLock::new();
     // Every thread's fresh reads end before any re-read starts; the last to arrive notes the time.
     let between = Barrier::new(threads);
     let mid = OnceLock::new();
@@ -872,7 +922,7 @@ pub(crate) fn disk_probe_file(
     let t0 = Instant::now();
     std::thread::scope(|s| {
         for (i, mut bufs) in own.into_iter().enumerate() {
-            let (f, fresh, rereads, between, mid) = (&f, &fresh, &rereads, &between, &mid);
+            let (f, fresh, rereads, between, mid, failed) = (&f, &fresh, &rereads, &between, &mid, &failed);
             s.spawn(move || {
                 // Thread `i` reads piece `i % pieces` of its group's records; a group's threads draw the same
                 // offsets, so a record's pieces are read side by side.
@@ -891,7 +941,10 @@ pub(crate) fn disk_probe_file(
                     let buf = &mut bufs[next_buf()].as_mut_slice()[..n];
                     match expert_store::read_full(f.as_ref(), buf, off, 0) {
                         Ok(got) => fresh.fetch_add(got as u64, Ordering::Relaxed),
-                        Err(_) => break,
+                        Err(e) => {
+                            let _ = failed.set(e);
+                            break;
+                        }
                     };
                     if reread {
                         read.push(off);
@@ -906,14 +959,24 @@ pub(crate) fn disk_probe_file(
                 let end = Instant::now() + time;
                 for &off in read.iter().cycle().take_while(|_| Instant::now() < end) {
                     let buf = &mut bufs[next_buf()].as_mut_slice()[..n];
-                    let Ok(got) = expert_store::read_full(f.as_ref(), buf, off, 0) else {
-                        break;
+                    let got = match expert_store::read_full(f.as_ref(), buf, off, 0) {
+                        Ok(got) => got,
+                        Err(e) => {
+                            let _ = failed.set(e);
+                            break;
+                        }
                     };
                     rereads.fetch_add(got as u64, Ordering::Relaxed);
                 }
             });
         }
     });
+    if let Some(e) = failed.into_inner() {
+        bail!(
+            "the disk probe could not read {}: {e} (--probe-seconds 0 skips the probes and the bounds)",
+            file.display()
+        );
+    }
     let mid = mid.get().copied().unwrap_or_else(Instant::now);
     let gb_s = |bytes: &AtomicU64, secs: f64| bytes.load(Ordering::Relaxed) as f64 / secs.max(1e-9) / 1e9;
     Ok(DiskProbe {
@@ -1124,6 +1187,13 @@ fn print_table(r: &Report) {
                     b.lru_tok_s,
                     100.0 * b.lru_achieved
                 );
+                if b.page_cache_beyond_slots {
+                    println!(
+                        "{} {what}: reads went through the page cache, which held records beyond the slots the \
+                         optimal cache is given; the shares above may overstate (--io direct compares them)",
+                        x.run
+                    );
+                }
             }
         }
     }

@@ -193,6 +193,24 @@ fn bench_reports_runs_and_probes_as_json() {
                 ["disk", "compute"].contains(&b["limit"].as_str().unwrap()),
                 "{phase}: {b}"
             );
+            // A buffered run's page cache holds records beyond the slots the optimal cache is given: said so.
+            assert_eq!(
+                b["page_cache_beyond_slots"].as_bool(),
+                Some(!v["direct_io"].as_bool().unwrap()),
+                "{phase}: {b}"
+            );
+        }
+    }
+    // Each run's bounds read misses at the faster of its two probes.
+    for r in v["runs"].as_array().unwrap() {
+        if let (Some(probes), Some(b)) = (r["disk_probes_gb_s"].as_array(), r["decode_bound"].as_object()) {
+            if b["limit"] == "disk" {
+                let fastest = probes.iter().map(|p| p.as_f64().unwrap()).fold(0.0, f64::max);
+                let misses = b["optimal_misses_per_token"].as_f64().unwrap();
+                let want = 1e9 * fastest / (misses * v["record_bytes"].as_f64().unwrap());
+                let got = b["tok_s"].as_f64().unwrap();
+                assert!((got - want).abs() <= 1e-6 * want, "{got} against {want}: {r}");
+            }
         }
     }
     assert!(v["disk_probe_gb_s"].as_f64().unwrap() > 0.0);
@@ -248,6 +266,61 @@ fn bench_reports_runs_and_probes_as_json() {
     );
     let out = run(&["--experts", "mmap", "--json"]);
     assert_eq!(serde_json::from_str::<serde_json::Value>(&out).unwrap()["mode"], "mmap");
+    // Resident experts were all read at load: the bounds count no miss, though the warm-up did not ask for
+    // every record. A warm run's warm-up is marked in the trace too.
+    let t = trace.to_str().unwrap();
+    let probed = [
+        "bench",
+        "-m",
+        d,
+        "-p",
+        "2",
+        "-n",
+        "2",
+        "--runs",
+        "warm",
+        "--probe-seconds",
+        "0.1",
+    ];
+    let out = ok(&[&probed[..], &["--json", "--trace-out", t]].concat()).0;
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["mode"], "resident");
+    let b = &v["runs"][0]["decode_bound"];
+    assert_eq!(b["optimal_misses_per_token"].as_f64(), Some(0.0), "{v}");
+    assert_eq!(b["lru_misses_per_token"].as_f64(), Some(0.0), "{v}");
+    assert_eq!(b["page_cache_beyond_slots"].as_bool(), Some(false), "{v}");
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let marks: Vec<&str> = text.lines().filter(|l| l.starts_with('#')).collect();
+    assert_eq!(
+        marks,
+        ["# warmup prefill", "# warmup decode", "# warm prefill", "# warm decode"]
+    );
+    // Mixed precision (layer 1's down_proj 6-bit, the rest 3-bit): a token's experts read each layer's own
+    // record size, less than the largest record's in every layer.
+    let mixed = fixture("qwen3_moe-mixed36");
+    let out = ok(&[
+        "bench",
+        "-m",
+        mixed.to_str().unwrap(),
+        "-p",
+        "2",
+        "-n",
+        "2",
+        "--runs",
+        "warm",
+        "--probe-seconds",
+        "0",
+        "--json",
+    ])
+    .0;
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let (record, top_k, layers) = (
+        v["record_bytes"].as_u64().unwrap(),
+        v["top_k"].as_u64().unwrap(),
+        v["layers"].as_u64().unwrap(),
+    );
+    let per_token = v["expert_bytes_per_token"].as_u64().unwrap();
+    assert!(per_token < record * top_k * layers && per_token > record * top_k, "{v}");
 }
 
 #[test]

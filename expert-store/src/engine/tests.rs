@@ -708,7 +708,7 @@ fn prompt_sweeps_miss_nearly_as_seldom_as_the_optimal_cache() {
     let trace: Vec<(usize, usize)> = (0..chunks * 4)
         .flat_map(|i| (0..EXPERTS).map(move |e| (i % 4, e)))
         .collect();
-    let optimal = crate::optimal_misses(&trace, slots, 0..trace.len());
+    let optimal = crate::optimal_misses(&trace, slots, 0..trace.len()).len() as u64;
     let misses = trace.len() as u64 - hits;
     assert!(misses <= optimal * 5 / 4, "{misses} misses, optimal {optimal}");
     assert!(hits >= (chunks as u64 - 1) * 2 * EXPERTS as u64, "{hits} hits");

@@ -88,6 +88,7 @@ pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &Expe
         .map(|(l, _)| tiles.as_ref().and_then(|t| t.layout(l)))
         .collect();
     let d = &arch.dims;
+    let record_bytes = crate::expert_source::record_bytes_by_layer(weights.checkpoint(), &stacks, store, d.layers);
     let info = ModelInfo {
         model_type: weights.config().model_type.clone(),
         vocab_size: d.vocab,
@@ -97,7 +98,8 @@ pub(crate) fn load_located(loc: &ModelLocation, config: ModelConfig, opts: &Expe
         router: d.router,
         num_layers: d.layers,
         moe_layers: stacks.len(),
-        expert_record_bytes: crate::expert_source::record_bytes(weights.checkpoint(), &stacks, store),
+        expert_record_bytes: record_bytes.iter().copied().max().unwrap_or(0),
+        expert_record_bytes_by_layer: record_bytes,
         tiled_experts: tiles.is_some() || stored_tiled,
     };
     let parts = Parts {
