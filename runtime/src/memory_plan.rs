@@ -160,9 +160,7 @@ impl PlanRequest {
             prefill_chunk: opts.prefill_chunk,
             gpu_buffers: opts.backend == BackendKind::Mlx && cfg!(target_os = "macos"),
             logit_rows: opts.logit_rows,
-            threads: opts
-                .threads
-                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+            threads: crate::threads::compute_threads(opts.threads),
             ..Self::default()
         }
     }
@@ -299,7 +297,12 @@ impl MemoryPlan {
         let direct_io = match req.io {
             IoMode::Direct => true,
             IoMode::Buffered => false,
-            IoMode::Auto => placement == ExpertPlacement::Stream && expert_cache.saturating_mul(2) >= room,
+            // Direct when the slots take at least half the room (the page cache would mostly hold copies of
+            // their records) or hold every record (each is read once; a page-cache copy would only take memory).
+            IoMode::Auto => {
+                placement == ExpertPlacement::Stream
+                    && (expert_cache.saturating_mul(2) >= room || expert_cache >= model.expert_bytes)
+            }
         };
         Self {
             machine,
@@ -607,6 +610,16 @@ mod tests {
         let all = MemoryPlan::new(machine, small, &over);
         assert!(all.fits(), "{all}");
         assert_eq!((all.placement, all.expert_cache), (ExpertPlacement::Stream, 16 * GIB));
+        // It holds every record, each read once: directly (a page-cache copy would only take memory), as
+        // `--experts stream` with the default cache on a model smaller than half the room.
+        assert!(all.direct_io, "{all}");
+        let streamed = PlanRequest {
+            mode: ExpertMode::Stream,
+            ..Default::default()
+        };
+        let p_all = MemoryPlan::new(machine, small, &streamed);
+        assert_eq!(p_all.expert_cache, small.expert_bytes);
+        assert!(p_all.expert_cache * 2 < p_all.room && p_all.direct_io, "{p_all}");
         // ... and leaves the page cache more room than the slots: it is the second tier, reads go through it.
         assert!(!p.direct_io);
         for (io, direct) in [(IoMode::Direct, true), (IoMode::Buffered, false)] {

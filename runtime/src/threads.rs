@@ -22,13 +22,22 @@ use std::time::{Duration, Instant};
 use rayon::prelude::*;
 use rayon::{ThreadPool, ThreadPoolBuildError, ThreadPoolBuilder, Yield};
 
+/// The threads a compute pool of `threads` has (`None` or 0: `RAYON_NUM_THREADS` when set to a positive number,
+/// else every core), as rayon resolves them; the memory plan counts per-thread buffers by it.
+pub fn compute_threads(threads: Option<usize>) -> usize {
+    let from_env = || std::env::var("RAYON_NUM_THREADS").ok()?.trim().parse::<usize>().ok().filter(|&n| n > 0);
+    (threads.filter(|&n| n > 0))
+        .or_else(from_env)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
 /// Makes the calling thread worker 0 of a new compute pool of `threads` threads in all (`None`: rayon's
 /// default, `RAYON_NUM_THREADS` or every core), so the parallel kernels it calls from then on run on that pool.
 /// Keep the pool alive while the thread computes; dropping it stops the other workers. A thread can join one
 /// pool in its life (rayon's rule).
 pub fn join_compute_pool(threads: Option<usize>) -> Result<ThreadPool, ThreadPoolBuildError> {
     ThreadPoolBuilder::new()
-        .num_threads(threads.unwrap_or(0))
+        .num_threads(compute_threads(threads))
         .thread_name(|i| format!("sluice-compute-{i}"))
         .use_current_thread()
         .build()
