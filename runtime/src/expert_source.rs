@@ -80,6 +80,10 @@ pub(crate) fn open_source(
     // instead would let a resident arena outgrow its plan (by ~2 GB on a mixed 3/6-bit 30B).
     let every_record = slot_arena_bytes(table.len() as u64, table.max_slot_len() as u64);
     footprint.expert_bytes = every_record;
+    // Each I/O thread keeps a buffer to read a record into before rewriting it into its slot.
+    if rewritten {
+        footprint.io_buffers = slot_arena_bytes(opts.io_depth.max(1) as u64, table.max_slot_len() as u64);
+    }
     let planned = plan_for(footprint);
     if opts.io == IoMode::Auto && planned.direct_io && !wanted {
         (table, direct) = open(true)?;

@@ -122,6 +122,9 @@ pub struct ModelFootprint {
     pub score_bytes_per_position: u64,
     /// Attention scores held at once whatever the context (the mlx backend's query blocks).
     pub score_bytes_bounded: u64,
+    /// Buffers the I/O threads read records into and rewrite them from (one per thread, kept for its life;
+    /// 0 when records land as stored).
+    pub io_buffers: u64,
 }
 
 /// What the user asked for.
@@ -258,6 +261,7 @@ impl MemoryPlan {
             .saturating_sub(kv_per_sequence)
             .saturating_sub(req.draft_model)
             .saturating_sub(req.prefix_cache)
+            .saturating_sub(model.io_buffers)
             .saturating_sub(margin);
         let activations = |chunk: usize| model.activation_bytes_per_token.saturating_mul(chunk as u64);
         // Placement is decided with the resident chunk's activations (or the one asked for) taken off.
@@ -343,6 +347,7 @@ impl MemoryPlan {
             self.draft_model,
             self.prefix_cache,
             self.logits,
+            self.model.io_buffers,
             self.margin,
         ]
         .iter()
@@ -434,6 +439,13 @@ impl fmt::Display for MemoryPlan {
         if self.logits > 0 {
             writeln!(f, "  logits           {:>11} (held beside the pass)", gib(self.logits))?;
         }
+        if self.model.io_buffers > 0 {
+            writeln!(
+                f,
+                "  read buffers     {:>11} (one per I/O thread, records rewritten from it)",
+                gib(self.model.io_buffers)
+            )?;
+        }
         writeln!(f, "  margin           {:>11}", gib(self.margin))?;
         write!(f, "  total            {:>11}", gib(self.total()))
     }
@@ -477,6 +489,7 @@ mod tests {
             // 4 positions × 16 query heads per key/value head, f32.
             score_bytes_per_position: 4 * 16 * 4,
             score_bytes_bounded: 0,
+            io_buffers: 0,
         }
     }
 
@@ -555,7 +568,24 @@ mod tests {
             activation_bytes_per_token: 200_000,
             score_bytes_per_position: 4 * 8 * 4,
             score_bytes_bounded: 0,
+            io_buffers: 0,
         };
+        // The I/O threads' read buffers take their bytes off the room, and count.
+        let buffered = ModelFootprint {
+            io_buffers: 3 * GIB / 4,
+            ..small
+        };
+        let req = PlanRequest {
+            mode: ExpertMode::Stream,
+            ..PlanRequest::default()
+        };
+        let (with, without) = (
+            MemoryPlan::new(machine, buffered, &req),
+            MemoryPlan::new(machine, small, &req),
+        );
+        assert_eq!(without.room - with.room, 3 * GIB / 4);
+        assert_eq!(with.fixed_bytes() - without.fixed_bytes(), 3 * GIB / 4);
+        assert!(with.to_string().contains("read buffers") && !without.to_string().contains("read buffers"));
         // Logits a command holds beside the pass (`eval`'s) take their bytes off the room, and count.
         let plain = MemoryPlan::new(machine, small, &PlanRequest::default());
         let eval = MemoryPlan::new(

@@ -25,7 +25,14 @@ use rayon::{ThreadPool, ThreadPoolBuildError, ThreadPoolBuilder, Yield};
 /// The threads a compute pool of `threads` has (`None` or 0: `RAYON_NUM_THREADS` when set to a positive number,
 /// else every core), as rayon resolves them; the memory plan counts per-thread buffers by it.
 pub fn compute_threads(threads: Option<usize>) -> usize {
-    let from_env = || std::env::var("RAYON_NUM_THREADS").ok()?.trim().parse::<usize>().ok().filter(|&n| n > 0);
+    let from_env = || {
+        std::env::var("RAYON_NUM_THREADS")
+            .ok()?
+            .trim()
+            .parse::<usize>()
+            .ok()
+            .filter(|&n| n > 0)
+    };
     (threads.filter(|&n| n > 0))
         .or_else(from_env)
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))

@@ -24,5 +24,9 @@ fn the_plan_counts_the_threads_the_pool_has() {
     assert_eq!(threads::compute_threads(Some(3)), 3);
     std::env::set_var("RAYON_NUM_THREADS", "0");
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    assert_eq!(threads::compute_threads(None), cores, "0 means every core, as rayon reads it");
+    assert_eq!(
+        threads::compute_threads(None),
+        cores,
+        "0 means every core, as rayon reads it"
+    );
 }

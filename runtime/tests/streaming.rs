@@ -140,6 +140,21 @@ fn a_resident_arena_is_what_the_memory_plan_counts() {
 }
 
 #[test]
+fn read_buffers_are_in_the_memory_plan() {
+    // Records rewritten into the int8 kernels' tiles as they land are read into a buffer each I/O thread keeps:
+    // the plan counts one per thread.
+    let m = load(
+        &fixture("qwen3_moe-q4g64"),
+        &stream(64 << 20, 3, PrefetchMode::None, false),
+    );
+    let slot = m.expert_slot_len().unwrap() as u64;
+    let want = if m.info.tiled_experts { 3 * slot } else { 0 };
+    let plan = &m.memory_plan;
+    assert_eq!(plan.model.io_buffers, want, "{plan}");
+    assert_eq!(plan.to_string().contains("read buffers"), want > 0, "{plan}");
+}
+
+#[test]
 fn counters_account_for_every_read() {
     let dir = fixture("qwen3_moe-q4g64");
     let tmp = tempfile::tempdir().unwrap();
