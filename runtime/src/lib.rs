@@ -44,4 +44,4 @@ pub use options::{parse_size, BackendKind, ExpertMode, ExpertOptions, IoMode, DE
 pub use profile::{Part, StepProfile};
 pub use sampling::SamplingParams;
 pub use sequence::{CacheCheckpoint, KvCache};
-pub use text::{ChatMessage, TextCodec};
+pub use text::{ChatMessage, GenerationDefaults, TextCodec};

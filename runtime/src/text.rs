@@ -126,6 +126,50 @@ pub struct TextCodec {
     bos_token: Option<String>,
     eos_token: Option<String>,
     eos_ids: Vec<u32>,
+    generation_defaults: GenerationDefaults,
+}
+
+/// The sampling values a checkpoint's `generation_config.json` recommends (Qwen3's: temperature 0.6, top_k 20,
+/// top_p 0.95), for a server to use where a request sets none, as vLLM does. Values out of range are dropped.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct GenerationDefaults {
+    /// `temperature`; 0 when `do_sample` is false (greedy, as Hugging Face reads it).
+    pub temperature: Option<f32>,
+    /// `top_p`.
+    pub top_p: Option<f32>,
+    /// `top_k` (0: off).
+    pub top_k: Option<usize>,
+    /// `min_p`.
+    pub min_p: Option<f32>,
+    /// `repetition_penalty`.
+    pub repetition_penalty: Option<f32>,
+}
+
+impl GenerationDefaults {
+    /// Reads them from a parsed `generation_config.json`.
+    pub fn from_config(gc: &Value) -> Self {
+        let float = |key: &str, ok: fn(f32) -> bool| {
+            let v = gc.get(key)?.as_f64()? as f32;
+            if ok(v) {
+                Some(v)
+            } else {
+                tracing::warn!("generation_config.json: {key} {v} is out of range; ignored");
+                None
+            }
+        };
+        let greedy = gc.get("do_sample").and_then(Value::as_bool) == Some(false);
+        Self {
+            temperature: if greedy {
+                Some(0.0)
+            } else {
+                float("temperature", |t| t >= 0.0 && t.is_finite())
+            },
+            top_p: float("top_p", |p| (0.0..=1.0).contains(&p)),
+            top_k: gc.get("top_k").and_then(Value::as_u64).map(|k| k as usize),
+            min_p: float("min_p", |p| (0.0..=1.0).contains(&p)),
+            repetition_penalty: float("repetition_penalty", |r| r > 0.0 && r.is_finite()),
+        }
+    }
 }
 
 fn tok_err(path: &Path, e: impl std::fmt::Display) -> ModelError {
@@ -188,8 +232,10 @@ impl TextCodec {
         let bos_token = token_string(tc.get("bos_token"));
         let eos_token = token_string(tc.get("eos_token"));
         let mut eos_ids = config_eos.to_vec();
+        let mut generation_defaults = GenerationDefaults::default();
         if let Some(gc) = read_json(&dir.join("generation_config.json"))? {
             eos_ids.extend(token_ids(gc.get("eos_token_id")));
+            generation_defaults = GenerationDefaults::from_config(&gc);
         }
         if let Some(id) = eos_token.as_deref().and_then(|t| tok.token_to_id(t)) {
             eos_ids.push(id);
@@ -203,7 +249,13 @@ impl TextCodec {
             bos_token,
             eos_token,
             eos_ids,
+            generation_defaults,
         })
+    }
+
+    /// The sampling values the checkpoint's `generation_config.json` recommends.
+    pub fn generation_defaults(&self) -> GenerationDefaults {
+        self.generation_defaults
     }
 
     /// Token ids of `text`; `add_special` adds what the tokenizer's post-processor adds (e.g. BOS).
@@ -746,6 +798,38 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("no chat template"));
+    }
+
+    #[test]
+    fn generation_config_sampling_defaults() {
+        let d = |v: Value| GenerationDefaults::from_config(&v);
+        // Qwen3's.
+        let qwen = d(
+            serde_json::json!({"do_sample": true, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "eos_token_id": [1, 2]}),
+        );
+        assert_eq!(
+            qwen,
+            GenerationDefaults {
+                temperature: Some(0.6),
+                top_p: Some(0.95),
+                top_k: Some(20),
+                min_p: None,
+                repetition_penalty: None,
+            }
+        );
+        // do_sample false is greedy, as Hugging Face reads it, whatever the temperature.
+        assert_eq!(
+            d(serde_json::json!({"do_sample": false, "temperature": 0.7})).temperature,
+            Some(0.0)
+        );
+        // Out of range or of the wrong type: left out.
+        let bad =
+            d(serde_json::json!({"temperature": -1, "top_p": 1.5, "top_k": -3, "min_p": "x", "repetition_penalty": 0}));
+        assert_eq!(bad, GenerationDefaults::default());
+        assert_eq!(
+            d(serde_json::json!({"repetition_penalty": 1.05})).repetition_penalty,
+            Some(1.05)
+        );
     }
 
     #[test]

@@ -14,7 +14,8 @@ use futures_util::stream::{self, Stream, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use sluice_runtime::{
-    ChatMessage, FinishReason, GenerateParams, ModelError, Prompt, PromptLimits, SamplingParams, TextCodec,
+    ChatMessage, FinishReason, GenerateParams, GenerationDefaults, ModelError, Prompt, PromptLimits, SamplingParams,
+    TextCodec,
 };
 use tokio::sync::mpsc;
 
@@ -44,6 +45,8 @@ pub struct Loaded {
     pub codec: Arc<TextCodec>,
     /// What a prompt must fit: the context limit (the one the memory plan's KV budget covers) and the vocabulary.
     pub limits: PromptLimits,
+    /// Sampling values for the fields a request leaves out (the model's `generation_config.json`'s, or none).
+    pub sampling_defaults: GenerationDefaults,
     /// Prompts tokenized at once (see `run`).
     pub tokenizing: tokio::sync::Semaphore,
 }
@@ -505,17 +508,21 @@ impl Common {
                 ))
             }
         };
+        let d = &l.sampling_defaults;
         let top_k = match self.top_k {
-            None | Some(-1) => 0,
+            None => d.top_k.unwrap_or(0),
+            Some(-1) => 0,
             Some(k) if k >= 0 => k as usize,
             Some(_) => return Err(ApiError::bad("top_k must be ≥ 0 (or -1 for off)", Some("top_k"))),
         };
         let sampling = SamplingParams {
-            temperature: self.temperature.unwrap_or(1.0),
-            top_p: self.top_p.unwrap_or(1.0),
+            temperature: self.temperature.or(d.temperature).unwrap_or(1.0),
+            top_p: self.top_p.or(d.top_p).unwrap_or(1.0),
             top_k,
-            min_p: self.min_p.unwrap_or(0.0),
-            repetition_penalty: self.repetition_penalty.or(self.repeat_penalty).unwrap_or(1.0),
+            min_p: self.min_p.or(d.min_p).unwrap_or(0.0),
+            repetition_penalty: (self.repetition_penalty.or(self.repeat_penalty))
+                .or(d.repetition_penalty)
+                .unwrap_or(1.0),
             // Over the whole prompt and output, as vLLM and Hugging Face apply it (the window is the CLI's).
             repeat_last_n: 0,
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),

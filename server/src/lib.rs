@@ -39,6 +39,9 @@ pub struct ServerConfig {
     /// How long in-flight responses may take to finish once shutdown begins (a client that stopped reading
     /// would otherwise hold the server up for good).
     pub shutdown_grace: std::time::Duration,
+    /// Sampling values a request leaves out come from the model's `generation_config.json` (else OpenAI's:
+    /// temperature 1, top_p 1, no top_k, min_p or repetition penalty).
+    pub model_sampling_defaults: bool,
 }
 
 /// The router over `state`.
@@ -114,6 +117,16 @@ pub async fn serve(
     let metrics = Metrics::new(top_k, m.expert_counters(), cache_bytes);
     // The plan's context, not the model's: KV beyond what the plan budgets would take the experts' room.
     let (codec, limits) = (Arc::clone(&pipeline.codec), pipeline.prompt_limits());
+    let sampling_defaults = match cfg.model_sampling_defaults {
+        true => codec.generation_defaults(),
+        false => Default::default(),
+    };
+    if sampling_defaults != Default::default() {
+        tracing::info!(
+            ?sampling_defaults,
+            "sampling values a request leaves out: generation_config.json's"
+        );
+    }
     let engine = EngineHandle::start(pipeline, cfg.max_queue, cfg.threads, Arc::clone(&metrics));
     let _ = state.loaded.set(Loaded {
         engine,
@@ -121,6 +134,7 @@ pub async fn serve(
         top_k,
         codec,
         limits,
+        sampling_defaults,
         // As many as there are cores: more would only queue on them, and take them from the generation.
         tokenizing: tokio::sync::Semaphore::new(std::thread::available_parallelism().map_or(2, |n| n.get())),
     });
@@ -170,6 +184,7 @@ mod tests {
             top_k: None,
             threads: Some(1),
             shutdown_grace: Duration::from_secs(30),
+            model_sampling_defaults: true,
         };
         // A load that would take 30 s.
         let load = move || {
@@ -210,6 +225,7 @@ mod tests {
             top_k: 4,
             codec,
             limits,
+            sampling_defaults: Default::default(),
             tokenizing: tokio::sync::Semaphore::new(2),
         };
         assert!(state.loaded.set(loaded).is_ok());

@@ -36,10 +36,24 @@ pub struct ServeArgs {
     /// Compute threads (default: all cores).
     #[arg(short = 't', long, env = "SLUICE_THREADS")]
     threads: Option<usize>,
+    /// Where the sampling values a request leaves out come from: `model`, the checkpoint's
+    /// `generation_config.json` (as vLLM; Qwen3's: temperature 0.6, top_k 20, top_p 0.95), or `openai`,
+    /// OpenAI's (temperature 1, top_p 1)
+    #[arg(long, value_enum, default_value_t = SamplingDefaults::Model, env = "SLUICE_SAMPLING_DEFAULTS")]
+    sampling_defaults: SamplingDefaults,
     #[command(flatten)]
     context: ContextArgs,
     #[command(flatten)]
     engine: EngineArgs,
+}
+
+/// `--sampling-defaults`.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum SamplingDefaults {
+    /// The checkpoint's `generation_config.json`.
+    Model,
+    /// OpenAI's.
+    Openai,
 }
 
 /// The address `--host` and `--port` name: an IP address (`::` and `[::1]` too) or a host name such as
@@ -83,6 +97,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         top_k: a.top_k,
         threads: a.threads,
         shutdown_grace: std::time::Duration::from_secs(30),
+        model_sampling_defaults: a.sampling_defaults == SamplingDefaults::Model,
     };
     let model = a.model.clone();
     let load = move || {

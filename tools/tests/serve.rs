@@ -959,3 +959,42 @@ fn an_assistant_turns_reasoning_reaches_the_template() {
     assert_eq!(reasoned, raw("q<think>Rx</think>A"));
     assert!(reasoned > plain);
 }
+
+/// Sampling values a request leaves out come from the model's `generation_config.json` (as vLLM's), unless
+/// `--sampling-defaults openai`; a request's own values win either way.
+#[test]
+fn generation_config_sets_the_sampling_a_request_leaves_out() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("model");
+    std::fs::create_dir(&dir).unwrap();
+    for e in std::fs::read_dir(fixture("qwen3_moe-q4g64")).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, dir.join(p.file_name().unwrap())).unwrap();
+    }
+    // top_k 1: the likeliest token whatever the temperature.
+    std::fs::write(
+        dir.join("generation_config.json"),
+        r#"{"top_k": 1, "temperature": 0.7}"#,
+    )
+    .unwrap();
+    let text = |s: &Server, extra: Value| {
+        let mut body = json!({"prompt": "the fox", "max_tokens": 16, "seed": 7, "ignore_eos": true});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let (st, v) = post(s, "/v1/completions", &body);
+        assert_eq!(st, 200, "{v}");
+        v["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    let s = start_model(&dir, &[]);
+    let greedy = text(&s, json!({"temperature": 0}));
+    let sampled = text(&s, json!({"temperature": 1.0, "top_k": -1}));
+    assert_ne!(
+        greedy, sampled,
+        "seed 7 at temperature 1 picks other tokens than greedy on this model"
+    );
+    assert_eq!(text(&s, json!({})), greedy, "the model's top_k 1");
+    assert_eq!(text(&s, json!({"seed": 8})), greedy);
+    drop(s);
+    // OpenAI's defaults: temperature 1, no top_k.
+    let s = start_model(&dir, &["--sampling-defaults", "openai"]);
+    assert_eq!(text(&s, json!({})), sampled);
+}
