@@ -268,7 +268,7 @@ impl Pipeline {
         let mut stops = StopMatcher::new(&params.stop);
         let mut decode_steps = 0;
         let mut stop_string_hit = false;
-        let finish = loop {
+        let mut finish = loop {
             if cancelled {
                 break FinishReason::Cancelled;
             }
@@ -302,7 +302,11 @@ impl Pipeline {
         // already ended at a stop string or the receiver is gone.
         if finish != FinishReason::Cancelled && !stop_string_hit {
             let (mut rest, hit) = stops.push(&decoder.finish(&self.codec)?);
-            if !hit {
+            if hit {
+                // A stop string in text held back until now (a last token that ends in part of a character):
+                // the output ended at it, not at the length.
+                finish = FinishReason::Stop;
+            } else {
                 rest.push_str(&stops.finish());
             }
             if !rest.is_empty() {

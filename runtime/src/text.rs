@@ -474,11 +474,12 @@ impl StreamDecoder {
         }
         // A character is at most 4 bytes and a token at least 1: a U+FFFD held behind 4 tokens is the text's
         // own (or bytes that never form a character), not one in the making. It goes out with all but the last
-        // 3 tokens, which may be a character's start.
+        // 3 tokens, which may be a character's start, if the whole text agrees: a token can also end one
+        // character and start the next, whose U+FFFD the next tokens replace.
         if self.ids.len() - self.read >= MAX_CHAR_TOKENS {
             let upto = self.ids.len() - (MAX_CHAR_TOKENS - 1);
             let settled = codec.decode(&self.ids[self.prefix..upto])?;
-            if settled.len() > before.len() {
+            if settled.len() > before.len() && now.starts_with(settled.as_str()) {
                 return Ok(self.emit(&before, &settled, upto));
             }
         }
@@ -657,6 +658,30 @@ mod tests {
         assert_eq!(out, "\u{FFFD}😀", "streamed");
         out.push_str(&dec.finish(&c).unwrap());
         assert_eq!(out, "\u{FFFD}😀");
+    }
+
+    /// Tokens that each end one character and start the next: the 4-token fallback sent a U+FFFD for a character
+    /// the next token completed, and the character never came.
+    #[test]
+    fn tokens_that_end_and_start_characters_lose_none() {
+        let d = tempfile::tempdir().unwrap();
+        // GPT-2's byte-level alphabet: "aæ" = 61 E6, "Ĺ¥æ" = 97 A5 E6, "Ĺ¥" = 97 A5 (日 = E6 97 A5).
+        let vocab = serde_json::json!({"aæ": 0, "Ĺ¥æ": 1, "Ĺ¥": 2, "<unk>": 3});
+        let decoder = serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false,
+            "use_regex": false});
+        let tok = serde_json::json!({"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": null, "post_processor": null, "decoder": decoder,
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}});
+        std::fs::write(d.path().join("tokenizer.json"), tok.to_string()).unwrap();
+        let c = TextCodec::load(d.path(), &[]).unwrap();
+        let ids = [0, 1, 1, 1, 2];
+        assert_eq!(c.decode(&ids).unwrap(), "a日日日日");
+        let (mut dec, mut out) = (StreamDecoder::new(), String::new());
+        for id in ids {
+            out.push_str(&dec.push(&c, id).unwrap());
+        }
+        out.push_str(&dec.finish(&c).unwrap());
+        assert_eq!(out, "a日日日日");
     }
 
     /// A model writing U+FFFD itself is not held back for good (every token re-decoded the growing window).
