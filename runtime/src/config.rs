@@ -71,6 +71,7 @@ impl ModelConfig {
         let mut text = match root_map.get("text_config") {
             Some(Value::Object(t)) => {
                 let mut t = t.clone();
+                t.retain(|_, v| !v.is_null());
                 for (k, v) in root_map {
                     if k != "text_config" && !t.contains_key(k) && !k.starts_with("quantization") {
                         t.insert(k.clone(), v.clone());
@@ -80,6 +81,11 @@ impl ModelConfig {
             }
             _ => root.clone(),
         };
+        // A field written as null is one left out (transformers' configs write `None` defaults so, e.g.
+        // `"mlp_only_layers": null`), not a value of the wrong type.
+        if let Value::Object(t) = &mut text {
+            t.retain(|_, v| !v.is_null());
+        }
         normalise_rope(&mut text);
         let model_type = text
             .get("model_type")
@@ -91,6 +97,19 @@ impl ModelConfig {
             if let Some(n) = text.get(field).and_then(Value::as_u64).filter(|&n| n > most) {
                 return Err(bad(format!("{field} {n} is more than {most}")));
             }
+        }
+        // MLX writes its own block as `quantization` (and `quantization_config` beside it, the same, with no
+        // method); a `quantization_config` alone naming a method is another tool's format (FP8, GPTQ, AWQ, …).
+        if let (None, Some(method)) = (
+            root.get("quantization"),
+            root.get("quantization_config").and_then(|q| q.get("quant_method")),
+        ) {
+            let method = method.as_str().map_or_else(|| method.to_string(), String::from);
+            return Err(bad(format!(
+                "the weights are quantized with `{method}` (quantization_config.quant_method), which sluice does \
+                 not read; use an MLX quantization of the model (`mlx_lm.convert -q`, or an mlx-community one) \
+                 or its unquantized original"
+            )));
         }
         let quant_block = root.get("quantization").or_else(|| root.get("quantization_config"));
         let quant = QuantConfig::parse(quant_block).map_err(bad)?;
@@ -303,6 +322,36 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("num_hidden_layers 100000000000"), "{e}");
+    }
+
+    #[test]
+    fn another_tools_quantization_is_named() {
+        let parse = |json: &str| ModelConfig::parse(Path::new("/m/config.json"), json);
+        let fp8 = r#"{"model_type":"qwen3_moe","quantization_config":{"quant_method":"fp8","fmt":"e4m3",
+            "weight_block_size":[128,128]}}"#;
+        let e = parse(fp8).unwrap_err().to_string();
+        assert!(e.contains("`fp8`") && e.contains("mlx_lm.convert"), "{e}");
+        let gptq =
+            r#"{"model_type":"qwen3_moe","quantization_config":{"quant_method":"gptq","bits":4,"group_size":-1}}"#;
+        assert!(parse(gptq).unwrap_err().to_string().contains("`gptq`"));
+        // MLX's own: `quantization`, and `quantization_config` beside it (or alone) without a method.
+        let mlx = r#"{"model_type":"qwen3_moe","quantization":{"group_size":64,"bits":4},
+            "quantization_config":{"group_size":64,"bits":4}}"#;
+        assert!(parse(mlx).unwrap().quant.default.is_some());
+        let alone = r#"{"model_type":"qwen3_moe","quantization_config":{"group_size":32,"bits":8}}"#;
+        assert!(parse(alone).unwrap().quant.default.is_some());
+    }
+
+    #[test]
+    fn a_null_field_is_a_field_left_out() {
+        let c = ModelConfig::parse(
+            Path::new("/m/config.json"),
+            r#"{"model_type":"qwen3_moe","mlp_only_layers":null,"text_config":{"head_dim":null},"head_dim":64}"#,
+        )
+        .unwrap();
+        assert!(c.text.get("mlp_only_layers").is_none());
+        // A null in text_config is filled from the top level, as a missing field is.
+        assert_eq!(c.text["head_dim"], 64);
     }
 
     #[test]

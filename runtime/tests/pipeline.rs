@@ -256,6 +256,16 @@ fn a_per_expert_mtp_head_beside_stacked_experts_loads() {
     safetensors::serialize_to_file([(name, view)], None, &d.path().join("extra.safetensors")).unwrap();
     let e = sluice_runtime::load_model(d.path()).err().unwrap().to_string();
     assert!(e.contains("per-expert"), "{e}");
+    // ... unless the architecture is one sluice does not run: that is named first (converting would not help).
+    let cpath = d.path().join("config.json");
+    let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cpath).unwrap()).unwrap();
+    c["model_type"] = "deepseek_v3".into();
+    if let Some(t) = c.get_mut("text_config") {
+        t["model_type"] = "deepseek_v3".into();
+    }
+    std::fs::write(&cpath, c.to_string()).unwrap();
+    let e = sluice_runtime::load_model(d.path()).err().unwrap().to_string();
+    assert!(e.contains("deepseek_v3") && !e.contains("per-expert"), "{e}");
 }
 
 #[test]

@@ -266,6 +266,8 @@ fn described(config: &ModelConfig, tensors: Option<&Weights>) -> Result<Architec
 /// What the checkpoint's `model_type` says its layers are, its sizes checked, and checked against its tensors'
 /// names.
 pub(crate) fn describe(w: &Weights) -> Result<Architecture> {
+    // An architecture sluice does not run is named first: converting its per-expert tensors would not help.
+    describer(w.config())?;
     // Only what is read: the multi-token-prediction head keeps its experts one by one even in checkpoints whose
     // decoder stacks them (Hugging Face's Qwen3.5 and Qwen3-Next).
     if (w.checkpoint().names()).any(|n| w.is_text_model(n) && n.contains(".experts.0.")) {
