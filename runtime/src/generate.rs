@@ -28,6 +28,16 @@ pub enum Prompt {
 }
 
 impl Prompt {
+    /// Bytes of text its tokenization reads, before a chat template adds its own (0 for token ids).
+    pub fn text_bytes(&self) -> usize {
+        let message = |m: &ChatMessage| m.content.len() + m.reasoning_content.as_ref().map_or(0, String::len);
+        match self {
+            Prompt::Raw(text) => text.len(),
+            Prompt::Chat(msgs) | Prompt::ChatWith(msgs, _) => msgs.iter().map(message).sum(),
+            Prompt::Tokens(_) => 0,
+        }
+    }
+
     /// Whether it is rendered from messages (a reply then starts on its own, not after the prompt's text).
     pub fn is_chat(&self) -> bool {
         matches!(self, Prompt::Chat(_) | Prompt::ChatWith(..))

@@ -25,6 +25,11 @@ use crate::metrics::Metrics;
 /// Largest request body accepted.
 pub const MAX_BODY: usize = 4 << 20;
 
+/// Bytes of prompt text tokenized at once, over every request: one largest body's. The tokenizer holds ~110
+/// bytes per byte of text at its peak (a 4 MiB prompt: ~460 MiB), so one core per prompt alone would let a
+/// burst of long prompts hold gigabytes beyond the memory plan; this keeps it within the plan's margin.
+pub const TOKENIZING_BYTES: usize = MAX_BODY;
+
 /// State shared by the handlers.
 pub struct AppState {
     /// The id clients must send as `model`.
@@ -49,6 +54,8 @@ pub struct Loaded {
     pub sampling_defaults: GenerationDefaults,
     /// Prompts tokenized at once (see `run`).
     pub tokenizing: tokio::sync::Semaphore,
+    /// Bytes of their text tokenized at once ([`TOKENIZING_BYTES`] permits).
+    pub tokenizing_bytes: tokio::sync::Semaphore,
 }
 
 impl AppState {
@@ -774,6 +781,10 @@ async fn run(
     // Off the async workers: a long prompt's tokenization or a template's rendering takes a while. A few at a
     // time, in arrival order (a fair semaphore), so a burst does not take the cores from the generation.
     let Ok(_permit) = l.tokenizing.acquire().await else {
+        return Err(ApiError::engine_stopped());
+    };
+    let text_bytes = prompt.text_bytes().clamp(1, TOKENIZING_BYTES) as u32;
+    let Ok(_bytes_permit) = l.tokenizing_bytes.acquire_many(text_bytes).await else {
         return Err(ApiError::engine_stopped());
     };
     let (codec, limits) = (Arc::clone(&l.codec), l.limits);

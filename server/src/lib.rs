@@ -137,6 +137,7 @@ pub async fn serve(
         sampling_defaults,
         // As many as there are cores: more would only queue on them, and take them from the generation.
         tokenizing: tokio::sync::Semaphore::new(std::thread::available_parallelism().map_or(2, |n| n.get())),
+        tokenizing_bytes: tokio::sync::Semaphore::new(api::TOKENIZING_BYTES),
     });
     tracing::info!(%addr, "model loaded; serving");
     tokio::select! {
@@ -227,11 +228,13 @@ mod tests {
             limits,
             sampling_defaults: Default::default(),
             tokenizing: tokio::sync::Semaphore::new(2),
+            tokenizing_bytes: tokio::sync::Semaphore::new(api::TOKENIZING_BYTES),
         };
         assert!(state.loaded.set(loaded).is_ok());
         let rt = tokio::runtime::Runtime::new().unwrap();
         let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
         let addr = listener.local_addr().unwrap();
+        let shared = Arc::clone(&state);
         rt.spawn(async move { axum::serve(listener, router(state)).await });
         // The head of the answer to `body` (and what came with it), or what arrived within 10 s.
         let answer = |path: &str, body: String| {
@@ -266,6 +269,29 @@ mod tests {
             "chat_template_kwargs": {"enable_thinking": false}, "stream": true});
         let got = answer("/v1/chat/completions", chat.to_string());
         assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+        // Prompt text is tokenized within a byte budget over every request: while it is all taken, a request
+        // waits for its share, then is answered.
+        let budget = &shared.loaded.get().unwrap().tokenizing_bytes;
+        let taken = rt.block_on(budget.acquire_many(api::TOKENIZING_BYTES as u32)).unwrap();
+        let mut c = std::net::TcpStream::connect(addr).unwrap();
+        let body = serde_json::json!({"prompt": "word ".repeat(100), "max_tokens": 1}).to_string();
+        write!(
+            c,
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
+             Connection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        c.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
+        let mut head = [0u8; 12];
+        assert!(
+            c.read_exact(&mut head).is_err(),
+            "answered without its share of the budget"
+        );
+        drop(taken);
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        c.read_exact(&mut head).unwrap();
+        assert_eq!(&head, b"HTTP/1.1 400");
         // Four streams held open fill the queue of four (the engine takes none): a fifth request is refused
         // before its prompt is tokenized, so even a prompt over the context limit gets the 429.
         let held: Vec<std::net::TcpStream> = (0..4)
