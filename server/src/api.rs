@@ -53,9 +53,9 @@ pub struct Loaded {
     /// Sampling values for the fields a request leaves out (the model's `generation_config.json`'s, or none).
     pub sampling_defaults: GenerationDefaults,
     /// Prompts tokenized at once (see `run`).
-    pub tokenizing: tokio::sync::Semaphore,
+    pub tokenizing: Arc<tokio::sync::Semaphore>,
     /// Bytes of their text tokenized at once ([`TOKENIZING_BYTES`] permits).
-    pub tokenizing_bytes: tokio::sync::Semaphore,
+    pub tokenizing_bytes: Arc<tokio::sync::Semaphore>,
 }
 
 impl AppState {
@@ -780,15 +780,19 @@ async fn run(
     }
     // Off the async workers: a long prompt's tokenization or a template's rendering takes a while. A few at a
     // time, in arrival order (a fair semaphore), so a burst does not take the cores from the generation.
-    let Ok(_permit) = l.tokenizing.acquire().await else {
+    // The permits go with the tokenization (and come back when it ends, even if this request is dropped
+    // meanwhile), not with the request: a whole reply's would otherwise be held through its queueing and
+    // generation, and a few such requests would stop every other prompt's tokenization.
+    let Ok(permit) = Arc::clone(&l.tokenizing).acquire_owned().await else {
         return Err(ApiError::engine_stopped());
     };
     let text_bytes = prompt.text_bytes().clamp(1, TOKENIZING_BYTES) as u32;
-    let Ok(_bytes_permit) = l.tokenizing_bytes.acquire_many(text_bytes).await else {
+    let Ok(bytes_permit) = Arc::clone(&l.tokenizing_bytes).acquire_many_owned(text_bytes).await else {
         return Err(ApiError::engine_stopped());
     };
     let (codec, limits) = (Arc::clone(&l.codec), l.limits);
     let checked = tokio::task::spawn_blocking(move || {
+        let _held = (permit, bytes_permit);
         let ids = prompt.tokenize(&codec)?;
         limits.check(&ids, &params).map(|()| (ids, params))
     })

@@ -136,8 +136,10 @@ pub async fn serve(
         limits,
         sampling_defaults,
         // As many as there are cores: more would only queue on them, and take them from the generation.
-        tokenizing: tokio::sync::Semaphore::new(std::thread::available_parallelism().map_or(2, |n| n.get())),
-        tokenizing_bytes: tokio::sync::Semaphore::new(api::TOKENIZING_BYTES),
+        tokenizing: Arc::new(tokio::sync::Semaphore::new(
+            std::thread::available_parallelism().map_or(2, |n| n.get()),
+        )),
+        tokenizing_bytes: Arc::new(tokio::sync::Semaphore::new(api::TOKENIZING_BYTES)),
     });
     tracing::info!(%addr, "model loaded; serving");
     tokio::select! {
@@ -227,8 +229,8 @@ mod tests {
             codec,
             limits,
             sampling_defaults: Default::default(),
-            tokenizing: tokio::sync::Semaphore::new(2),
-            tokenizing_bytes: tokio::sync::Semaphore::new(api::TOKENIZING_BYTES),
+            tokenizing: Arc::new(tokio::sync::Semaphore::new(2)),
+            tokenizing_bytes: Arc::new(tokio::sync::Semaphore::new(api::TOKENIZING_BYTES)),
         };
         assert!(state.loaded.set(loaded).is_ok());
         let rt = tokio::runtime::Runtime::new().unwrap();
@@ -327,5 +329,26 @@ mod tests {
             assert!(Instant::now() < deadline, "the queue stayed full: {got}");
             std::thread::sleep(Duration::from_millis(50));
         }
+        // Whole replies waiting in the queue hold no tokenization permit: with as many of them queued as prompts
+        // may be tokenized at once (2 here), a bad prompt still gets its 400 at once (it waited for good).
+        let whole: Vec<std::net::TcpStream> = (0..2)
+            .map(|_| {
+                let mut c = std::net::TcpStream::connect(addr).unwrap();
+                let body = serde_json::json!({"prompt": "x", "max_tokens": 1}).to_string();
+                write!(
+                    c,
+                    "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+                     Content-Length: {}\r\n\r\n{body}",
+                    body.len()
+                )
+                .unwrap();
+                c
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(300));
+        let long = serde_json::json!({"prompt": "word ".repeat(100), "max_tokens": 1}).to_string();
+        let got = answer("/v1/completions", long);
+        assert!(got.starts_with("HTTP/1.1 400"), "{got}");
+        drop(whole);
     }
 }
