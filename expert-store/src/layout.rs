@@ -51,9 +51,9 @@ impl PosixFile {
         })
     }
 
-    /// The file's length now.
-    pub fn file_len(&self) -> Result<u64, StoreError> {
-        (self.file.metadata().map(|m| m.len())).map_err(|source| StoreError::Io {
+    /// The file's metadata now.
+    pub fn metadata(&self) -> Result<std::fs::Metadata, StoreError> {
+        self.file.metadata().map_err(|source| StoreError::Io {
             path: self.path.clone(),
             source,
         })

@@ -120,6 +120,8 @@ pub struct RecordManifest {
 pub struct PackedStore {
     dir: PathBuf,
     manifest: Manifest,
+    /// When the data file was last written, as `open` found it.
+    data_modified: Option<std::time::SystemTime>,
 }
 
 fn bad(path: &Path, message: impl Into<String>) -> StoreError {
@@ -171,7 +173,8 @@ impl PackedStore {
             return Err(bad(&mpath, "unsupported checksum or record alignment"));
         }
         let dpath = dir.join(&manifest.data_file);
-        let len = std::fs::metadata(&dpath).map_err(io_err(&dpath))?.len();
+        let meta = std::fs::metadata(&dpath).map_err(io_err(&dpath))?;
+        let (len, data_modified) = (meta.len(), meta.modified().ok());
         if len != manifest.data_len {
             return Err(bad(
                 &dpath,
@@ -254,6 +257,7 @@ impl PackedStore {
         Ok(Self {
             dir: dir.to_path_buf(),
             manifest,
+            data_modified,
         })
     }
 
@@ -342,14 +346,15 @@ impl PackedStore {
     pub fn table(&self, direct: bool) -> Result<RecordTable, StoreError> {
         let path = self.data_path();
         let file = PosixFile::open(&path, direct)?;
-        // The file checked at `open` may have been replaced since (a `convert --force` racing this load); a
-        // different length means other records, which would fail each first read's checksum one at a time.
-        let len = file.file_len()?;
-        if len != self.manifest.data_len {
+        // The file checked at `open` may have been replaced since (a `convert --force` racing this load): other
+        // records, which would fail each first read's checksum one at a time.
+        let meta = file.metadata()?;
+        let (len, modified) = (meta.len(), meta.modified().ok());
+        if len != self.manifest.data_len || modified != self.data_modified {
             return Err(bad(
                 &path,
                 format!(
-                    "is {len} bytes, the manifest says {} (replaced since the store was opened?)",
+                    "was replaced since the store was opened (now {len} bytes, the manifest says {}); open it again",
                     self.manifest.data_len
                 ),
             ));
@@ -635,6 +640,7 @@ pub fn convert(
     let unpublished = PackedStore {
         dir: out.to_path_buf(),
         manifest,
+        data_modified: None,
     };
     unpublished.check_against(ckpt, stacks)?;
     let bad_records = unpublished.verify(&|_| {})?;

@@ -89,10 +89,11 @@ impl ExpertSource for TracingSource {
 
 /// The records Belady's optimal replacement (evict the record used furthest in the future) with `slots` slots
 /// misses in the window `counted` of `requests`, in request order. The cache enters the window as the best one
-/// the requests before it could have left: up to `slots` of the records asked for before the window, those
-/// wanted soonest in it. No cache that holds only records asked for misses fewer in the window (over a window
-/// from the start, this is Belady's from an empty cache); simulating the whole prefix instead would let Belady
-/// trade misses before the window for misses inside it.
+/// the requests before it could have left: the last record asked for (every cache holds it then), and up to
+/// `slots - 1` other records asked for before the window, those wanted soonest in it. No cache that holds only
+/// records asked for misses fewer in the window (over a window from the start, this is Belady's from an empty
+/// cache); simulating the whole prefix instead would let Belady trade misses before the window for misses
+/// inside it.
 pub fn optimal_misses(requests: &[RecordKey], slots: usize, counted: std::ops::Range<usize>) -> Vec<RecordKey> {
     let (start, end) = (counted.start.min(requests.len()), counted.end.min(requests.len()));
     let window = &requests[start..end.max(start)];
@@ -108,13 +109,19 @@ pub fn optimal_misses(requests: &[RecordKey], slots: usize, counted: std::ops::R
     // Cached records with their next use; the heap holds (next use, key) with stale entries skipped.
     let mut cached: HashMap<RecordKey, usize> = HashMap::new();
     let mut heap: BinaryHeap<(usize, RecordKey)> = BinaryHeap::new();
+    let last = start.checked_sub(1).map(|i| requests[i]);
     let mut before: Vec<(usize, RecordKey)> = (requests[..start].iter())
+        .filter(|&&k| Some(k) != last)
         .collect::<std::collections::HashSet<_>>()
         .into_iter()
         .filter_map(|k| first_use.get(k).map(|&at| (at, *k)))
         .collect();
     before.sort_unstable();
-    for &(at, key) in before.iter().take(slots) {
+    let last = last
+        .filter(|_| slots > 0)
+        .map(|k| (first_use.get(&k).copied().unwrap_or(usize::MAX), k));
+    let others = slots.saturating_sub(usize::from(last.is_some()));
+    for (at, key) in last.into_iter().chain(before.into_iter().take(others)) {
         cached.insert(key, at);
         heap.push((at, key));
     }
@@ -194,45 +201,36 @@ mod tests {
         misses
     }
 
-    /// The fewest misses in `requests[from..]` of any replacement (a missed record takes a slot, as the engine's
-    /// reads do), by trying every victim at every miss, from every cache the requests before `from` could have left: the oracle of [`super::optimal_misses`].
+    /// The fewest misses in `requests[from..]` of any replacement run from an empty cache over the whole of
+    /// `requests` (a missed record takes a slot, as the engine's reads do), by trying every victim at every
+    /// miss: the oracle of [`super::optimal_misses`] (small traces only).
     fn fewest_misses(requests: &[RecordKey], slots: usize, from: usize) -> u64 {
-        fn go(r: &[RecordKey], slots: usize, cache: &mut Vec<RecordKey>) -> u64 {
-            let Some((&key, rest)) = r.split_first() else {
+        fn go(r: &[RecordKey], at: usize, from: usize, slots: usize, cache: &mut Vec<RecordKey>) -> u64 {
+            let Some(&key) = r.get(at) else {
                 return 0;
             };
             if cache.contains(&key) {
-                return go(rest, slots, cache);
+                return go(r, at + 1, from, slots, cache);
+            }
+            let miss = u64::from(at >= from);
+            if slots == 0 {
+                return miss + go(r, at + 1, from, slots, cache);
             }
             if cache.len() < slots {
                 cache.push(key);
-                let m = 1 + go(rest, slots, cache);
+                let m = miss + go(r, at + 1, from, slots, cache);
                 cache.pop();
                 return m;
             }
             let mut best = u64::MAX;
             for v in 0..cache.len() {
                 let old = std::mem::replace(&mut cache[v], key);
-                best = best.min(1 + go(rest, slots, cache));
+                best = best.min(miss + go(r, at + 1, from, slots, cache));
                 cache[v] = old;
             }
             best
         }
-        let mut seen: Vec<RecordKey> = requests[..from].to_vec();
-        seen.sort_unstable();
-        seen.dedup();
-        // Every subset of the records seen before of at most `slots` (small traces only).
-        let mut best = u64::MAX;
-        for mask in 0u32..1 << seen.len() {
-            if mask.count_ones() as usize <= slots {
-                let mut cache: Vec<RecordKey> = (0..seen.len())
-                    .filter(|b| mask >> b & 1 == 1)
-                    .map(|b| seen[b])
-                    .collect();
-                best = best.min(go(&requests[from..], slots, &mut cache));
-            }
-        }
-        best
+        go(requests, 0, from, slots, &mut Vec::new())
     }
 
     #[test]
@@ -252,6 +250,9 @@ mod tests {
         // a cache that kept B misses nothing there.
         let r = keys(&[0, 1, 2, 0, 1]);
         assert_eq!(opt(&r, 2, 4..5), 0);
+        // A B C | A B with 2 slots: every cache holds C when the window starts, so one of A and B misses.
+        let r = keys(&[0, 1, 2, 0, 1]);
+        assert_eq!(opt(&r, 2, 3..5), 1);
         assert_eq!(optimal_misses(&r, 2, 0..5), keys(&[0, 1, 2, 1]));
     }
 
@@ -260,13 +261,13 @@ mod tests {
         let mut x: u64 = 777;
         for round in 0..60 {
             let slots = 1 + round % 3;
-            let r: Vec<RecordKey> = (0..10)
+            let r: Vec<RecordKey> = (0..11)
                 .map(|_| {
                     x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                     (0, (x >> 33) as usize % 5)
                 })
                 .collect();
-            for from in [0, 3, 6] {
+            for from in [0, 3, 5, 8] {
                 assert_eq!(
                     opt(&r, slots, from..r.len()),
                     fewest_misses(&r, slots, from),

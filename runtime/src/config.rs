@@ -100,10 +100,11 @@ impl ModelConfig {
         }
         // MLX writes its own block as `quantization` (and `quantization_config` beside it, the same, with no
         // method); a `quantization_config` alone naming a method is another tool's format (FP8, GPTQ, AWQ, …).
-        if let (None, Some(method)) = (
-            root.get("quantization"),
-            root.get("quantization_config").and_then(|q| q.get("quant_method")),
-        ) {
+        // (Some tools name MLX's own block's method `mlx`.)
+        let mlx_block = root.get("quantization").filter(|q| !q.is_null());
+        let method = (root.get("quantization_config").and_then(|q| q.get("quant_method")))
+            .filter(|m| !m.is_null() && !m.as_str().is_some_and(|m| m.eq_ignore_ascii_case("mlx")));
+        if let (None, Some(method)) = (mlx_block, method) {
             let method = method.as_str().map_or_else(|| method.to_string(), String::from);
             return Err(bad(format!(
                 "the weights are quantized with `{method}` (quantization_config.quant_method), which sluice does \
@@ -111,7 +112,7 @@ impl ModelConfig {
                  or its unquantized original"
             )));
         }
-        let quant_block = root.get("quantization").or_else(|| root.get("quantization_config"));
+        let quant_block = mlx_block.or_else(|| root.get("quantization_config"));
         let quant = QuantConfig::parse(quant_block).map_err(bad)?;
         Ok(Self {
             path: path.to_path_buf(),
@@ -340,6 +341,12 @@ mod tests {
         assert!(parse(mlx).unwrap().quant.default.is_some());
         let alone = r#"{"model_type":"qwen3_moe","quantization_config":{"group_size":32,"bits":8}}"#;
         assert!(parse(alone).unwrap().quant.default.is_some());
+        let named =
+            r#"{"model_type":"qwen3_moe","quantization_config":{"quant_method":"MLX","group_size":32,"bits":8}}"#;
+        assert!(parse(named).unwrap().quant.default.is_some());
+        // A null `quantization` is one left out.
+        let null = r#"{"model_type":"qwen3_moe","quantization":null,"quantization_config":{"group_size":32,"bits":8}}"#;
+        assert!(parse(null).unwrap().quant.default.is_some());
     }
 
     #[test]

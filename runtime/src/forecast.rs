@@ -106,6 +106,7 @@ pub fn size_from_config(config: &ModelConfig, index_total: Option<u64>, opts: &E
     let (mut all_experts, mut moe_layers, mut num_experts) = (0u64, 0usize, 0usize);
     // Records of every MoE layer, and the longest (mixed-precision layers differ).
     let (mut records, mut longest) = (0u64, 0u64);
+    let mut rewritten = false;
     for (i, ffn) in arch.ffn.iter().enumerate() {
         vectors += 2 * h as u64 * fb;
         let linear = d.hybrid.as_ref().is_some_and(|x| x.linear[i]);
@@ -161,6 +162,16 @@ pub fn size_from_config(config: &ModelConfig, index_total: Option<u64>, opts: &E
                 all_experts = all_experts.saturating_add((*e as u64).saturating_mul(record));
                 records += *e as u64;
                 longest = longest.max(record);
+                // The cpu backend rewrites 4-bit records into its int8 kernels' tiles as they land.
+                let spec = config.quant.spec_for(
+                    &l("switch_mlp.gate_proj"),
+                    Some(&format!("language_model.{}", l("switch_mlp.gate_proj"))),
+                );
+                rewritten |= opts.backend == BackendKind::Cpu
+                    && spec.is_some_and(|q| {
+                        q.mode == QuantMode::Affine && crate::cpu::tiled::tiles(q.bits, q.group_size, h)
+                    })
+                    && crate::cpu::q8::tiled_kernel_on(crate::cpu::Isa::detect());
                 per_token += mat(&l("gate"), *e, h) + shared.map_or(0, sh);
                 calls += 1 + shared.map_or(0, |_| 4);
             }
@@ -207,6 +218,10 @@ pub fn size_from_config(config: &ModelConfig, index_total: Option<u64>, opts: &E
     footprint.resident_weights = resident + copies;
     // Planned as the loader plans them: the slots every record would take.
     footprint.expert_bytes = crate::expert_source::slot_arena_bytes(records, longest);
+    // As the loader counts them: each I/O thread's buffer to read a record into before rewriting it.
+    if rewritten {
+        footprint.io_buffers = crate::expert_source::slot_arena_bytes(opts.io_depth.max(1) as u64, longest);
+    }
     Ok(ModelSize {
         model_type: config.model_type.clone(),
         layers: d.layers,

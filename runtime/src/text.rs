@@ -436,6 +436,10 @@ fn strftime_now(fmt: &str) -> String {
 /// Tokens a character can span (UTF-8's longest, one byte a token).
 const MAX_CHAR_TOKENS: usize = 4;
 
+/// Tokens held back at most for a character a later token might complete (a chain of tokens that each end one
+/// character and start the next; no tokenizer we know has more than a few such tokens).
+const MAX_HELD_TOKENS: usize = 16;
+
 /// Turns a growing token sequence into text chunks that never split a UTF-8 character.
 ///
 /// It decodes a short window of recent tokens twice (with and without the newest) and emits the difference
@@ -479,7 +483,9 @@ impl StreamDecoder {
         if self.ids.len() - self.read >= MAX_CHAR_TOKENS {
             let upto = self.ids.len() - (MAX_CHAR_TOKENS - 1);
             let settled = codec.decode(&self.ids[self.prefix..upto])?;
-            if settled.len() > before.len() && now.starts_with(settled.as_str()) {
+            // (Held past MAX_HELD_TOKENS, it goes out anyway: each token re-decodes what is held.)
+            let agreed = now.starts_with(settled.as_str()) || self.ids.len() - self.read >= MAX_HELD_TOKENS;
+            if settled.len() > before.len() && agreed {
                 return Ok(self.emit(&before, &settled, upto));
             }
         }
@@ -682,6 +688,12 @@ mod tests {
         }
         out.push_str(&dec.finish(&c).unwrap());
         assert_eq!(out, "a日日日日");
+        // A chain longer than anything a tokenizer makes is not held (and re-decoded) for good.
+        let mut dec = StreamDecoder::new();
+        for i in 0..40 {
+            let _ = dec.push(&c, 1).unwrap();
+            assert!(dec.ids.len() - dec.read <= MAX_HELD_TOKENS, "token {i}: held back");
+        }
     }
 
     /// A model writing U+FFFD itself is not held back for good (every token re-decoded the growing window).

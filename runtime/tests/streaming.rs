@@ -140,21 +140,6 @@ fn a_resident_arena_is_what_the_memory_plan_counts() {
 }
 
 #[test]
-fn read_buffers_are_in_the_memory_plan() {
-    // Records rewritten into the int8 kernels' tiles as they land are read into a buffer each I/O thread keeps:
-    // the plan counts one per thread.
-    let m = load(
-        &fixture("qwen3_moe-q4g64"),
-        &stream(64 << 20, 3, PrefetchMode::None, false),
-    );
-    let slot = m.expert_slot_len().unwrap() as u64;
-    let want = if m.info.tiled_experts { 3 * slot } else { 0 };
-    let plan = &m.memory_plan;
-    assert_eq!(plan.model.io_buffers, want, "{plan}");
-    assert_eq!(plan.to_string().contains("read buffers"), want > 0, "{plan}");
-}
-
-#[test]
 fn counters_account_for_every_read() {
     let dir = fixture("qwen3_moe-q4g64");
     let tmp = tempfile::tempdir().unwrap();
@@ -379,16 +364,21 @@ fn corrupt_stores_are_clear_errors() {
     let err = Pipeline::load_with(&store_dir, &all).err().unwrap().to_string();
     assert!(err.contains("experts.bin") && err.contains("truncated"), "{err}");
     std::fs::write(&data, &bytes).unwrap();
-    // Replaced between the manifest's check and the engine's open (a `convert --force` racing a load).
-    let opened = PackedStore::open(&store_dir).unwrap();
-    std::fs::write(&data, &bytes[..bytes.len() - 4096]).unwrap();
-    let err = opened.table(false).err().map(|e| e.to_string());
-    assert!(
-        err.as_ref()
-            .is_some_and(|e| e.contains("experts.bin") && e.contains("replaced since")),
-        "{err:?}"
-    );
-    std::fs::write(&data, &bytes).unwrap();
+    // Replaced between the manifest's check and the engine's open (a `convert --force` racing a load), shorter
+    // or as long.
+    for len in [bytes.len() - 4096, bytes.len()] {
+        let opened = PackedStore::open(&store_dir).unwrap();
+        assert!(opened.table(false).is_ok());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        std::fs::write(&data, &bytes[..len]).unwrap();
+        let err = opened.table(false).err().map(|e| e.to_string());
+        assert!(
+            err.as_ref()
+                .is_some_and(|e| e.contains("experts.bin") && e.contains("replaced since")),
+            "{len}: {err:?}"
+        );
+        std::fs::write(&data, &bytes).unwrap();
+    }
 
     // A manifest pointing at a different model.
     let mpath = store_dir.join(expert_store::MANIFEST_FILE);

@@ -136,9 +136,13 @@ impl RunReport {
     /// The disk bandwidth this run's bounds use: the faster of its own probes (the disk showed it could; the
     /// mean would credit a run for a slow spell it may not have met), else `fallback`.
     fn disk_gb_s(&self, fallback: f64) -> f64 {
-        self.disk_probes_gb_s
-            .map_or(fallback, |[before, after]| before.max(after))
+        faster_probe(self.disk_probes_gb_s, fallback)
     }
+}
+
+/// The faster of a run's two disk probes, else `fallback`.
+fn faster_probe(probes: Option<[f64; 2]>, fallback: f64) -> f64 {
+    probes.map_or(fallback, |[before, after]| before.max(after))
 }
 
 /// What an optimal cache allows one phase (prefill or decode) of a run: the bound it is judged against.
@@ -483,7 +487,8 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
             record_bytes: &m.info.expert_record_bytes_by_layer,
             // Resident records were all read at load: no phase misses any.
             resident: m.memory_plan.placement == ExpertPlacement::Resident,
-            buffered: !m.memory_plan.direct_io,
+            // (Nothing lies beyond slots that hold every record.)
+            buffered: !m.memory_plan.direct_io && m.memory_plan.expert_cache < m.memory_plan.model.expert_bytes,
         };
         for r in &mut runs {
             let disk = r.disk_gb_s(disk);
@@ -573,6 +578,14 @@ fn write_trace<'a>(
     out.flush()
 }
 
+/// Seconds `misses` take to read at `disk_gb_s`, each at its own layer's record size (`record_bytes`, by layer).
+fn read_seconds(misses: &[RecordKey], record_bytes: &[u64], disk_gb_s: f64) -> f64 {
+    let bytes: u64 = (misses.iter())
+        .map(|&(l, _)| record_bytes.get(l).copied().unwrap_or(0))
+        .sum();
+    bytes as f64 / (disk_gb_s * 1e9)
+}
+
 /// The cache a run's bounds give the optimal replacement.
 struct OptimalCache<'a> {
     /// Its slots (one record each).
@@ -594,12 +607,7 @@ fn judge_against_optimal(r: &mut RunReport, requests: &[RecordKey], cache: &Opti
     };
     let bound = |range: std::ops::Range<usize>, tokens: usize, tok_s: f64, ram_tok_s: f64| {
         let tokens = tokens as f64;
-        let io = |misses: &[RecordKey]| {
-            let bytes: u64 = (misses.iter())
-                .map(|&(l, _)| cache.record_bytes.get(l).copied().unwrap_or(0))
-                .sum();
-            bytes as f64 / (disk_gb_s * 1e9)
-        };
+        let io = |misses: &[RecordKey]| read_seconds(misses, cache.record_bytes, disk_gb_s);
         let compute = tokens / ram_tok_s;
         let (misses, lru) = if cache.resident {
             (Vec::new(), Vec::new())
@@ -875,24 +883,63 @@ fn max_probe_threads(record: u64, shapes: &[(usize, bool)]) -> usize {
 pub(crate) fn disk_probe_file(
     file: &Path,
     record: u64,
-    (depth, split): (usize, bool),
+    shape: (usize, bool),
     time: Duration,
     reread: bool,
     buffers: &mut ProbeBuffers,
 ) -> Result<DiskProbe> {
+    match probe_reads(file, record, shape, time, reread, buffers, true) {
+        // A filesystem that opens for direct reads but refuses them (as the engine finds at its first read, and
+        // then reads through the page cache): probed as the engine reads it.
+        Err(ProbeFailed::DirectRefused) => probe_reads(file, record, shape, time, reread, buffers, false),
+        r => r,
+    }
+    .map_err(|e| match e {
+        ProbeFailed::DirectRefused => anyhow::anyhow!("direct reads of {} refused", file.display()),
+        ProbeFailed::Other(e) => e,
+    })
+}
+
+/// Why a probe failed.
+enum ProbeFailed {
+    /// The file opened for direct reads, which then failed as invalid.
+    DirectRefused,
+    Other(anyhow::Error),
+}
+
+impl<E: Into<anyhow::Error>> From<E> for ProbeFailed {
+    fn from(e: E) -> Self {
+        ProbeFailed::Other(e.into())
+    }
+}
+
+/// [`disk_probe_file`], direct reads allowed or not.
+fn probe_reads(
+    file: &Path,
+    record: u64,
+    (depth, split): (usize, bool),
+    time: Duration,
+    reread: bool,
+    buffers: &mut ProbeBuffers,
+    allow_direct: bool,
+) -> std::result::Result<DiskProbe, ProbeFailed> {
     let file = file.to_path_buf();
     let len = std::fs::metadata(&file)?.len();
     let size = record.max(DIRECT_ALIGN).next_multiple_of(DIRECT_ALIGN);
     if len < size {
-        bail!("{} is smaller than one record", file.display());
+        return Err(anyhow::anyhow!("{} is smaller than one record", file.display()).into());
     }
     let (depth, pieces) = (depth.max(1), pieces_of(record, split));
     let threads = depth * pieces;
     if buffers.len < size as usize || buffers.slots.len() < threads {
-        bail!("the probe's buffers are smaller than {threads} records of {size} bytes");
+        return Err(anyhow::anyhow!("the probe's buffers are smaller than {threads} records of {size} bytes").into());
     }
     let piece = if split { piece_len(size as usize) as u64 } else { size };
-    let direct = PosixFile::open(&file, true);
+    let direct = match allow_direct {
+        true => PosixFile::open(&file, true),
+        false => Err(expert_store::StoreError::Engine("direct reads not tried".into())),
+    };
+    let used_direct = direct.is_ok();
     // Buffered, the re-reads would come from the guest's own page cache: no re-read then.
     let reread = reread && direct.is_ok();
     let f: Box<dyn ReadAt> = match direct {
@@ -972,10 +1019,14 @@ pub(crate) fn disk_probe_file(
         }
     });
     if let Some(e) = failed.into_inner() {
-        bail!(
+        if used_direct && e.kind() == std::io::ErrorKind::InvalidInput {
+            return Err(ProbeFailed::DirectRefused);
+        }
+        return Err(anyhow::anyhow!(
             "the disk probe could not read {}: {e} (--probe-seconds 0 skips the probes and the bounds)",
             file.display()
-        );
+        )
+        .into());
     }
     let mid = mid.get().copied().unwrap_or_else(Instant::now);
     let gb_s = |bytes: &AtomicU64, secs: f64| bytes.load(Ordering::Relaxed) as f64 / secs.max(1e-9) / 1e9;
@@ -1215,6 +1266,18 @@ mod tests {
         let mut f = tempfile::NamedTempFile::new().expect("temp file");
         std::io::Write::write_all(&mut f, &vec![7u8; len]).expect("write");
         f
+    }
+
+    #[test]
+    fn bounds_read_each_miss_at_its_layers_size_and_the_faster_probe() {
+        // Layer 1's records are twice layer 0's; layer 2 has none.
+        let sizes = [1_000_000, 2_000_000, 0];
+        let misses = [(0, 3), (1, 3), (1, 5)];
+        assert_eq!(read_seconds(&misses, &sizes, 1.0), 0.005);
+        assert_eq!(read_seconds(&[(2, 0), (7, 1)], &sizes, 1.0), 0.0);
+        assert_eq!(faster_probe(Some([2.0, 3.0]), 1.0), 3.0);
+        assert_eq!(faster_probe(Some([3.5, 3.0]), 1.0), 3.5);
+        assert_eq!(faster_probe(None, 1.0), 1.0);
     }
 
     #[test]

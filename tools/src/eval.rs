@@ -138,7 +138,8 @@ pub fn run(a: EvalArgs) -> Result<()> {
     })?;
     bar.finish_and_clear();
 
-    let record = m.info.expert_record_bytes;
+    // Each layer's own record size (mixed-precision layers differ).
+    let records_per_k: u64 = m.info.expert_record_bytes_by_layer.iter().sum();
     let mut rows = Vec::new();
     for q in quality {
         let speed = if a.decode_tokens > 0 {
@@ -170,7 +171,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
             None
         };
         rows.push(Row {
-            expert_bytes_per_token: record * (q.top_k * m.info.moe_layers) as u64,
+            expert_bytes_per_token: records_per_k * q.top_k as u64,
             decode_tok_s: speed.as_ref().map(|s| s.decode_tok_s),
             read_bytes_per_token: speed.as_ref().map(|s| s.read_bytes_per_token),
             hit_rate: speed.as_ref().map(|s| s.hit_rate),
