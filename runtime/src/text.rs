@@ -636,15 +636,11 @@ mod tests {
         assert_eq!(c.encode("a b a b a", false).unwrap(), vec![0, 1, 0, 1, 0]);
     }
 
-    /// A byte that never forms a character, then an emoji in byte tokens: the stray byte goes out once 4 tokens
-    /// wait behind it, and the emoji's first bytes stay held until it is whole (a flush of all 4 lost it).
-    #[test]
-    fn a_stray_byte_before_a_split_character_loses_neither() {
+    /// A codec whose tokens are the strings of `vocab` (ids in order) in GPT-2's byte-level alphabet (Qwen's
+    /// tokenizers), with `<unk>` last.
+    fn byte_level_codec(vocab: &[&str]) -> TextCodec {
         let d = tempfile::tempdir().unwrap();
-        // GPT-2's byte-level alphabet (Qwen's tokenizers): bytes E4, F0, 9F, 98 and 80.
-        let bytes = ["ä", "ð", "Ł", "ĺ", "Ģ", "<unk>"];
-        let vocab: serde_json::Map<String, Value> = bytes
-            .iter()
+        let vocab: serde_json::Map<String, Value> = (vocab.iter().chain(&["<unk>"]))
             .enumerate()
             .map(|(i, b)| (b.to_string(), Value::from(i)))
             .collect();
@@ -654,7 +650,15 @@ mod tests {
             "normalizer": null, "pre_tokenizer": null, "post_processor": null, "decoder": decoder,
             "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}});
         std::fs::write(d.path().join("tokenizer.json"), tok.to_string()).unwrap();
-        let c = TextCodec::load(d.path(), &[]).unwrap();
+        TextCodec::load(d.path(), &[]).unwrap()
+    }
+
+    /// A byte that never forms a character, then an emoji in byte tokens: the stray byte goes out once 4 tokens
+    /// wait behind it, and the emoji's first bytes stay held until it is whole (a flush of all 4 lost it).
+    #[test]
+    fn a_stray_byte_before_a_split_character_loses_neither() {
+        // Bytes E4, F0, 9F, 98 and 80.
+        let c = byte_level_codec(&["ä", "ð", "Ł", "ĺ", "Ģ"]);
         let ids = [0, 1, 2, 3, 4];
         assert_eq!(c.decode(&ids).unwrap(), "\u{FFFD}😀");
         let (mut dec, mut out) = (StreamDecoder::new(), String::new());
@@ -670,16 +674,8 @@ mod tests {
     /// the next token completed, and the character never came.
     #[test]
     fn tokens_that_end_and_start_characters_lose_none() {
-        let d = tempfile::tempdir().unwrap();
-        // GPT-2's byte-level alphabet: "aæ" = 61 E6, "Ĺ¥æ" = 97 A5 E6, "Ĺ¥" = 97 A5 (日 = E6 97 A5).
-        let vocab = serde_json::json!({"aæ": 0, "Ĺ¥æ": 1, "Ĺ¥": 2, "<unk>": 3});
-        let decoder = serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false,
-            "use_regex": false});
-        let tok = serde_json::json!({"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
-            "normalizer": null, "pre_tokenizer": null, "post_processor": null, "decoder": decoder,
-            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}});
-        std::fs::write(d.path().join("tokenizer.json"), tok.to_string()).unwrap();
-        let c = TextCodec::load(d.path(), &[]).unwrap();
+        // "aæ" = 61 E6, "Ĺ¥æ" = 97 A5 E6, "Ĺ¥" = 97 A5 (日 = E6 97 A5).
+        let c = byte_level_codec(&["aæ", "Ĺ¥æ", "Ĺ¥"]);
         let ids = [0, 1, 1, 1, 2];
         assert_eq!(c.decode(&ids).unwrap(), "a日日日日");
         let (mut dec, mut out) = (StreamDecoder::new(), String::new());

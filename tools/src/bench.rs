@@ -381,12 +381,13 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
             .map(|f| Ok(disk_probe_best(f, record_bytes, opts.io_depth, probe, false)?.fresh))
             .transpose()
     };
+    let per_run = a.prompt_tokens + a.gen_tokens;
+    let first_half = |name| measure(m, name, &stream[..per_run], a.prompt_tokens, chunk, top_k, trace);
     let mut runs = Vec::new();
     // A warm run's warm-up, when no cold run came first (its part of the trace is marked too).
     let mut warmup = None;
     // The disk probes between runs: before the first, between each two, and (below) after the last.
     let mut probes = Vec::new();
-    let per_run = a.prompt_tokens + a.gen_tokens;
     if cold {
         if streaming {
             m.drop_expert_caches()?;
@@ -394,28 +395,12 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
             eprintln!("note: experts are resident (mmap); a cold run only drops the slot cache when streaming");
         }
         probes.push(adjacent_probe()?);
-        runs.push(measure(
-            m,
-            "cold",
-            &stream[..per_run],
-            a.prompt_tokens,
-            chunk,
-            top_k,
-            trace,
-        )?);
+        runs.push(first_half("cold")?);
     }
     if warm {
         if !cold {
             // Warm up on the first half, measure on the second.
-            warmup = Some(measure(
-                m,
-                "warmup",
-                &stream[..per_run],
-                a.prompt_tokens,
-                chunk,
-                top_k,
-                trace,
-            )?);
+            warmup = Some(first_half("warmup")?);
         }
         let second = &stream[per_run..2 * per_run];
         probes.push(adjacent_probe()?);

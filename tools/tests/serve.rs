@@ -927,17 +927,23 @@ fn sigterm_shuts_down_cleanly() {
     }
 }
 
+/// A copy of fixture `name` to change, in a directory that lives as long as the first value.
+fn copy_of_fixture(name: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("model");
+    std::fs::create_dir(&dir).unwrap();
+    for e in std::fs::read_dir(fixture(name)).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, dir.join(p.file_name().unwrap())).unwrap();
+    }
+    (tmp, dir)
+}
+
 /// An assistant turn's `reasoning_content` reaches the chat template (Qwen3's renders it as a `<think>` block);
 /// it was dropped with the other unknown fields.
 #[test]
 fn an_assistant_turns_reasoning_reaches_the_template() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("model");
-    std::fs::create_dir(&dir).unwrap();
-    for e in std::fs::read_dir(fixture("qwen3_moe-q4g64")).unwrap() {
-        let p = e.unwrap().path();
-        std::fs::copy(&p, dir.join(p.file_name().unwrap())).unwrap();
-    }
+    let (_tmp, dir) = copy_of_fixture("qwen3_moe-q4g64");
     let t = "{% for m in messages %}{% if m.reasoning_content is string %}<think>{{ m.reasoning_content }}</think>\
              {% endif %}{{ m.content }}{% endfor %}";
     std::fs::write(dir.join("chat_template.jinja"), t).unwrap();
@@ -964,13 +970,7 @@ fn an_assistant_turns_reasoning_reaches_the_template() {
 /// `--sampling-defaults openai`; a request's own values win either way.
 #[test]
 fn generation_config_sets_the_sampling_a_request_leaves_out() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("model");
-    std::fs::create_dir(&dir).unwrap();
-    for e in std::fs::read_dir(fixture("qwen3_moe-q4g64")).unwrap() {
-        let p = e.unwrap().path();
-        std::fs::copy(&p, dir.join(p.file_name().unwrap())).unwrap();
-    }
+    let (_tmp, dir) = copy_of_fixture("qwen3_moe-q4g64");
     // top_k 1: the likeliest token whatever the temperature.
     std::fs::write(
         dir.join("generation_config.json"),

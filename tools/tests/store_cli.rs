@@ -232,15 +232,24 @@ fn bench_reports_runs_and_probes_as_json() {
         (Some(8), Some(2)),
         "{v}"
     );
-    // Short warm runs with `extra` flags.
-    let warm = |extra: &[&str]| -> Vec<String> {
-        let base = "bench -m {} -p 2 -n 2 --runs warm --probe-seconds 0".split(' ');
-        (base.map(|a| if a == "{}" { d } else { a }))
+    // Short warm runs of `model` with `extra` flags (no probes unless they say).
+    let warm_of = |model: &str, extra: &[&str]| -> Vec<String> {
+        let base = "bench -m {} -p 2 -n 2 --runs warm".split(' ');
+        let probes = if extra.contains(&"--probe-seconds") {
+            &[][..]
+        } else {
+            &["--probe-seconds", "0"][..]
+        };
+        (base.map(|a| if a == "{}" { model } else { a }))
+            .chain(probes.iter().copied())
             .chain(extra.iter().copied())
             .map(String::from)
             .collect()
     };
-    let run = |extra: &[&str]| ok(&warm(extra).iter().map(String::as_str).collect::<Vec<_>>()).0;
+    let warm = |extra: &[&str]| warm_of(d, extra);
+    let run_of =
+        |model: &str, extra: &[&str]| ok(&warm_of(model, extra).iter().map(String::as_str).collect::<Vec<_>>()).0;
+    let run = |extra: &[&str]| run_of(d, extra);
     let out = run(&[]);
     assert!(out.contains("decode/s") && out.contains("warm"), "{out}");
     // The label says where the experts were: auto on a tiny model keeps them resident; mmap is mmap.
@@ -256,21 +265,13 @@ fn bench_reports_runs_and_probes_as_json() {
     assert_eq!(serde_json::from_str::<serde_json::Value>(&out).unwrap()["mode"], "mmap");
     // Resident experts were all read at load: the bounds count no miss, though the warm-up did not ask for
     // every record. A warm run's warm-up is marked in the trace too.
-    let t = trace.to_str().unwrap();
-    let probed = [
-        "bench",
-        "-m",
-        d,
-        "-p",
-        "2",
-        "-n",
-        "2",
-        "--runs",
-        "warm",
+    let out = run(&[
         "--probe-seconds",
         "0.1",
-    ];
-    let out = ok(&[&probed[..], &["--json", "--trace-out", t]].concat()).0;
+        "--json",
+        "--trace-out",
+        trace.to_str().unwrap(),
+    ]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["mode"], "resident");
     let b = &v["runs"][0]["decode_bound"];
@@ -286,21 +287,7 @@ fn bench_reports_runs_and_probes_as_json() {
     // Mixed precision (layer 1's down_proj 6-bit, the rest 3-bit): a token's experts read each layer's own
     // record size, less than the largest record's in every layer.
     let mixed = fixture("qwen3_moe-mixed36");
-    let out = ok(&[
-        "bench",
-        "-m",
-        mixed.to_str().unwrap(),
-        "-p",
-        "2",
-        "-n",
-        "2",
-        "--runs",
-        "warm",
-        "--probe-seconds",
-        "0",
-        "--json",
-    ])
-    .0;
+    let out = run_of(mixed.to_str().unwrap(), &["--json"]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let (record, top_k, layers) = (
         v["record_bytes"].as_u64().unwrap(),
