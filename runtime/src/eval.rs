@@ -150,6 +150,8 @@ pub fn evaluate(
                 s.kl += want
                     .iter()
                     .zip(row.iter())
+                    // A token the reference gives no mass adds nothing (0·(−∞ − q) would be NaN).
+                    .filter(|(&p, _)| p != f32::NEG_INFINITY)
                     .map(|(&p, &q)| (p as f64).exp() * (p as f64 - q as f64))
                     .sum::<f64>();
                 s.agree += usize::from(argmax(row) == argmax(want));
@@ -167,11 +169,21 @@ pub fn evaluate(
             top_k,
             tokens: s.tokens,
             perplexity: (s.nll / s.tokens as f64).exp(),
-            // Rounding can leave a tiny negative sum where the two distributions are equal.
-            kl: (s.kl / s.tokens as f64).max(0.0),
+            // Rounding can leave a tiny negative sum where the two distributions are equal (a NaN stays NaN:
+            // `max` would report a broken k as identical to the model's own).
+            kl: clamp_rounding(s.kl / s.tokens as f64),
             top1_agreement: s.agree as f64 / s.tokens as f64,
         })
         .collect())
+}
+
+/// `x`, or 0 where rounding left it just below; NaN stays NaN.
+fn clamp_rounding(x: f64) -> f64 {
+    if x < 0.0 {
+        0.0
+    } else {
+        x
+    }
 }
 
 /// All-position logits of one window from an empty cache.
@@ -211,6 +223,13 @@ mod tests {
             assert!(parse_top_ks(bad, 16).is_err(), "{bad}");
         }
         assert!(parse_top_ks("1", 0).is_err());
+    }
+
+    #[test]
+    fn a_nan_divergence_is_not_reported_as_none() {
+        assert!(clamp_rounding(f64::NAN).is_nan());
+        assert_eq!(clamp_rounding(-1e-12), 0.0);
+        assert_eq!(clamp_rounding(0.25), 0.25);
     }
 
     #[test]
