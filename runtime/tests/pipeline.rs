@@ -214,6 +214,13 @@ fn broken_hybrid_checkpoints_are_clear_errors() {
     assert!(e.contains("linear_attn"), "{e}");
     let e = load_error_with("qwen3_5_moe-q4g64", |_| {}, Some("layers.1.linear_attn.conv1d.weight"));
     assert!(e.contains("layers.1.linear_attn.conv1d.weight"), "{e}");
+    // A shared expert's gate left out would add the expert unscaled: an error naming it.
+    let e = load_error_with(
+        "qwen3_next-bf16",
+        |_| {},
+        Some("layers.0.mlp.shared_expert_gate.weight"),
+    );
+    assert!(e.contains("shared_expert_gate"), "{e}");
 }
 
 /// A copy of a one-file fixture without its shard index, so that every `*.safetensors` added is read.

@@ -547,11 +547,13 @@ fn build_decoder<B: Backend>(be: B, p: Parts<'_>) -> Result<Model<B>> {
                     shared: match shared {
                         Some(si) => Some(SharedExpert {
                             mlp: Mlp::load(&be, w, &format!("{prefix}.shared_expert"), d.hidden, *si)?,
-                            gate: if w.has(&format!("{prefix}.shared_expert_gate.weight")) {
-                                Some(be.matrix(&w.linear(&format!("{prefix}.shared_expert_gate"), 1, d.hidden)?)?)
-                            } else {
-                                None
-                            },
+                            // Every architecture with a shared expert here gates it (Qwen3-Next, Qwen3.5); one left
+                            // out would add the expert unscaled, so its absence is an error naming it.
+                            gate: Some(be.matrix(&w.linear(
+                                &format!("{prefix}.shared_expert_gate"),
+                                1,
+                                d.hidden,
+                            )?)?),
                         }),
                         None => None,
                     },
