@@ -78,11 +78,12 @@ pub(crate) fn open_source(
     // What the slots take to hold every record: a slot per record, each as long as the longest (records of
     // mixed-precision layers differ; packed ones are padded), aligned. Planning on the records' own sizes
     // instead would let a resident arena outgrow its plan (by ~2 GB on a mixed 3/6-bit 30B).
-    let every_record = slot_arena_bytes(table.len() as u64, table.max_slot_len() as u64);
+    let longest = table.max_slot_len() as u64;
+    let every_record = slot_arena_bytes(table.len() as u64, longest);
     footprint.expert_bytes = every_record;
     // Each I/O thread keeps a buffer to read a record into before rewriting it into its slot.
     if rewritten {
-        footprint.io_buffers = slot_arena_bytes(opts.io_depth.max(1) as u64, table.max_slot_len() as u64);
+        footprint.io_buffers = slot_arena_bytes(opts.io_depth.max(1) as u64, longest);
     }
     let planned = plan_for(footprint);
     if opts.io == IoMode::Auto && planned.direct_io && !wanted {

@@ -87,9 +87,10 @@ pub fn size_from_config(config: &ModelConfig, index_total: Option<u64>, opts: &E
     let floats = std::cell::Cell::new(0u64);
     // One matrix [rows, cols] of module `path`: quantized per the config's entry for it when its rows split
     // into whole groups (mlx-lm's rule), else floats.
+    // The config's quantization entry for module `path` (under a VLM's `language_model.` too).
+    let spec = |path: &str| config.quant.spec_for(path, Some(&format!("language_model.{path}")));
     let mat = |path: &str, rows: usize, cols: usize| -> u64 {
-        let alt = format!("language_model.{path}");
-        let (all, float) = match config.quant.spec_for(path, Some(&alt)) {
+        let (all, float) = match spec(path) {
             Some(q) if cols.is_multiple_of(q.group_size.max(1)) => {
                 let all = (rows as f64 * cols as f64 * bytes_per_weight(Some(q), float_bytes)) as u64;
                 (all, all - (rows as f64 * cols as f64 * q.bits as f64 / 8.0) as u64)
@@ -106,6 +107,8 @@ pub fn size_from_config(config: &ModelConfig, index_total: Option<u64>, opts: &E
     let (mut all_experts, mut moe_layers, mut num_experts) = (0u64, 0usize, 0usize);
     // Records of every MoE layer, and the longest (mixed-precision layers differ).
     let (mut records, mut longest) = (0u64, 0u64);
+    // Whether records of tileable layers are rewritten as they land (see `rewritten`).
+    let tiling = opts.backend == BackendKind::Cpu && crate::cpu::q8::tiled_kernel_on(crate::cpu::Isa::detect());
     let mut rewritten = false;
     for (i, ffn) in arch.ffn.iter().enumerate() {
         vectors += 2 * h as u64 * fb;
@@ -163,15 +166,10 @@ pub fn size_from_config(config: &ModelConfig, index_total: Option<u64>, opts: &E
                 records += *e as u64;
                 longest = longest.max(record);
                 // The cpu backend rewrites 4-bit records into its int8 kernels' tiles as they land.
-                let spec = config.quant.spec_for(
-                    &l("switch_mlp.gate_proj"),
-                    Some(&format!("language_model.{}", l("switch_mlp.gate_proj"))),
-                );
-                rewritten |= opts.backend == BackendKind::Cpu
-                    && spec.is_some_and(|q| {
+                rewritten |= tiling
+                    && spec(&l("switch_mlp.gate_proj")).is_some_and(|q| {
                         q.mode == QuantMode::Affine && crate::cpu::tiled::tiles(q.bits, q.group_size, h)
-                    })
-                    && crate::cpu::q8::tiled_kernel_on(crate::cpu::Isa::detect());
+                    });
                 per_token += mat(&l("gate"), *e, h) + shared.map_or(0, sh);
                 calls += 1 + shared.map_or(0, |_| 4);
             }

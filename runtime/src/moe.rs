@@ -148,12 +148,12 @@ impl<B: Backend> Mlp<B> {
     }
 }
 
-/// A dense SwiGLU expert every token uses, optionally scaled by `sigmoid(gate · x)` (a scalar per token).
+/// A dense SwiGLU expert every token uses, scaled by `sigmoid(gate · x)` (a scalar per token).
 pub struct SharedExpert<B: Backend> {
     /// The expert.
     pub mlp: Mlp<B>,
     /// `[1, hidden]` gate.
-    pub gate: Option<B::Matrix>,
+    pub gate: B::Matrix,
 }
 
 /// A routed-experts SwiGLU block whose expert weights come from an [`ExpertSource`].
@@ -255,10 +255,8 @@ impl<B: Backend> SparseMoe<B> {
         profile.add(Part::RoutedExperts, start.elapsed());
         if let Some(shared) = &self.shared {
             let start = Instant::now();
-            let mut y = shared.mlp.forward(be, x)?;
-            if let Some(gate) = &shared.gate {
-                y = be.mul_sigmoid(&y, &be.matmul(gate, x)?)?;
-            }
+            let y = shared.mlp.forward(be, x)?;
+            let y = be.mul_sigmoid(&y, &be.matmul(&shared.gate, x)?)?;
             out = be.add(&out, &y)?;
             profile.add(Part::SharedExpert, start.elapsed());
         }

@@ -660,17 +660,21 @@ async fn chat_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiErr
                 Some("messages"),
             ));
         }
-        let mut parts = None;
-        let text = match &m.content {
+        let role = if m.role == "developer" {
+            "system"
+        } else {
+            m.role.as_str()
+        };
+        let msg = match &m.content {
             // Only an assistant turn may leave its content out (OpenAI's rule: it carries tool calls then).
-            None if m.role == "assistant" => String::new(),
+            None if m.role == "assistant" => ChatMessage::new(role, ""),
             None => {
                 return Err(ApiError::bad(
                     format!("a `{}` message needs content", m.role),
                     Some("messages"),
                 ))
             }
-            Some(Content::Text(t)) => t.clone(),
+            Some(Content::Text(t)) => ChatMessage::new(role, t),
             // Kept as parts: joined one per line for a template that prints the content (as vLLM joins them:
             // parts run together would merge their words), given as parts to one that walks them.
             Some(Content::Parts(list)) => {
@@ -684,18 +688,8 @@ async fn chat_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiErr
                     }
                     texts.push(p.text.clone().unwrap_or_default());
                 }
-                parts = Some(texts);
-                String::new()
+                ChatMessage::from_parts(role, texts)
             }
-        };
-        let role = if m.role == "developer" {
-            "system"
-        } else {
-            m.role.as_str()
-        };
-        let msg = match parts {
-            Some(parts) => ChatMessage::from_parts(role, parts),
-            None => ChatMessage::new(role, &text),
         };
         msgs.push(match &m.reasoning_content {
             Some(r) => msg.with_reasoning(r),

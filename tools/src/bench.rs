@@ -472,7 +472,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
             record_bytes: &m.info.expert_record_bytes_by_layer,
             // Resident records were all read at load: no phase misses any.
             resident: m.memory_plan.placement == ExpertPlacement::Resident,
-            // (Nothing lies beyond slots that hold every record.)
+            // (Nothing lies beyond slots that hold every record, as resident ones do.)
             buffered: !m.memory_plan.direct_io && m.memory_plan.expert_cache < m.memory_plan.model.expert_bytes,
         };
         for r in &mut runs {
@@ -611,7 +611,7 @@ fn judge_against_optimal(r: &mut RunReport, requests: &[RecordKey], cache: &Opti
             lru_misses_per_token: lru.len() as f64 / tokens,
             lru_tok_s: lru_bound,
             lru_achieved: tok_s / lru_bound,
-            page_cache_beyond_slots: cache.buffered && !cache.resident,
+            page_cache_beyond_slots: cache.buffered,
         }
     };
     r.prefill_bound = Some(bound(prefill, r.prompt_tokens, r.prefill_tok_s, ram.prefill_tok_s));

@@ -549,11 +549,7 @@ fn build_decoder<B: Backend>(be: B, p: Parts<'_>) -> Result<Model<B>> {
                             mlp: Mlp::load(&be, w, &format!("{prefix}.shared_expert"), d.hidden, *si)?,
                             // Every architecture with a shared expert here gates it (Qwen3-Next, Qwen3.5); one left
                             // out would add the expert unscaled, so its absence is an error naming it.
-                            gate: Some(be.matrix(&w.linear(
-                                &format!("{prefix}.shared_expert_gate"),
-                                1,
-                                d.hidden,
-                            )?)?),
+                            gate: be.matrix(&w.linear(&format!("{prefix}.shared_expert_gate"), 1, d.hidden)?)?,
                         }),
                         None => None,
                     },
