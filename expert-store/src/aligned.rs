@@ -59,6 +59,11 @@ impl SlotBuf {
         )
     }
 
+    /// The address and length of the slots' whole mapping (the arena this slot was cut from).
+    pub fn arena_span(&self) -> (usize, usize) {
+        (self.arena.ptr.as_ptr() as usize, self.arena.len)
+    }
+
     /// The slot length a record of `len` bytes needs.
     pub fn slot_len(len: usize) -> usize {
         len.max(1).div_ceil(SLOT_ALIGN) * SLOT_ALIGN

@@ -54,6 +54,9 @@ use part_pool::{Part, PartPool};
 
 type Key = (usize, usize);
 
+/// Below this share of the slots on huge pages, the engine warns once they are backed.
+const LOW_HUGE_PAGE_SHARE: f64 = 0.9;
+
 /// Guesses read at once by default (see [`EngineOptions::guess_depth`]).
 pub const DEFAULT_GUESS_DEPTH: usize = 2;
 
@@ -306,6 +309,8 @@ struct Inner {
     hashed: std::sync::atomic::AtomicUsize,
     slots: usize,
     slot_len: usize,
+    /// The slots' mapping (address, length): asked after which share of it is on huge pages.
+    slot_arena: (usize, usize),
     /// Threads that run a record's reads side by side when it takes more than one (records read in place
     /// from a checkpoint: one read per tensor; reads longer than [`crate::READ_PIECE`]: one per piece); `None`
     /// when every record is one read, or when no such thread could start (reads then run one after another).
@@ -361,6 +366,7 @@ impl StreamingSource {
             .into_iter()
             .map(Arc::new)
             .collect();
+        let slot_arena = free.first().map_or((0, 0), |b| b.arena_span());
         // The free list hands out slots from its end: back them with memory in that order.
         let prefault = if opts.prefault {
             Prefault::new(free.iter().rev().map(|b| &**b))
@@ -392,6 +398,7 @@ impl StreamingSource {
             hashed: Default::default(),
             slots,
             slot_len,
+            slot_arena,
             part_readers,
             #[cfg(test)]
             fetch_waits: Default::default(),
@@ -688,6 +695,13 @@ impl Inner {
         self.backed_now.notify_all();
     }
 
+    /// Bytes of the slots on huge pages, and of the slots' mapping.
+    fn slots_on_huge_pages(&self) -> Option<(u64, u64)> {
+        let (addr, len) = self.slot_arena;
+        let huge = crate::platform::huge_page_bytes(addr, len)?;
+        Some((huge, len as u64))
+    }
+
     /// Backs the slots with memory ahead of the reads that will fill them (see [`Prefault`]).
     fn prefault(&self, pass: &Prefault) {
         /// Says the pass has ended however it ends: a panic in it must not leave `wait_backed` waiting.
@@ -711,6 +725,21 @@ impl Inner {
             bytes as f64 / 1e9,
             bytes as f64 / 1e9 / secs.max(1e-9)
         );
+        // The kernel falls back to 4 KiB pages where it finds no free 2 MiB ones (memory fragmented by the
+        // page cache), and direct reads into those ran at half the speed or less on some machines.
+        if let Some((huge, all)) = self.slots_on_huge_pages().filter(|_| bytes > 0) {
+            let share = huge as f64 / all.max(1) as f64;
+            if share < LOW_HUGE_PAGE_SHARE && crate::platform::huge_pages() != Some(crate::platform::HugePages::Never) {
+                tracing::warn!(
+                    "only {:.0}% of the expert slots are on huge pages ({:.2} of {:.2} GB): reads into the rest may \
+                     run at half speed; `echo 1 > /proc/sys/vm/compact_memory` (as root) before starting gives the \
+                     kernel whole 2 MiB pages again",
+                    100.0 * share,
+                    huge as f64 / 1e9,
+                    all as f64 / 1e9
+                );
+            }
+        }
     }
 
     fn worker(&self) {
@@ -1355,6 +1384,10 @@ impl ExpertSource for StreamingSource {
         while !inner.counters.slots_backed.load(Relaxed) {
             held = inner.backed_now.wait(held).unwrap_or_else(|e| e.into_inner());
         }
+    }
+
+    fn slots_on_huge_pages(&self) -> Option<(u64, u64)> {
+        self.inner.slots_on_huge_pages()
     }
 
     fn drop_caches(&self) -> Result<(), StoreError> {

@@ -58,6 +58,13 @@ pub trait ExpertSource: Send + Sync {
     /// compute, not the one-time cost of the OS handing the process its memory.
     fn wait_backed(&self) {}
 
+    /// Bytes of the source's slots on huge pages, and of its slots in all (`None`: no slots, or the OS does
+    /// not say). Direct reads into 4 KiB pages ran at half the speed or less on some machines (README,
+    /// "`sluice bench`").
+    fn slots_on_huge_pages(&self) -> Option<(u64, u64)> {
+        None
+    }
+
     /// Empties the source's caches (its slots and the OS page cache of its files) so the next reads are
     /// cold; records still in use stay. For benchmarks.
     fn drop_caches(&self) -> Result<(), StoreError> {

@@ -70,6 +70,10 @@ impl ExpertSource for TracingSource {
         self.inner.wait_backed()
     }
 
+    fn slots_on_huge_pages(&self) -> Option<(u64, u64)> {
+        self.inner.slots_on_huge_pages()
+    }
+
     fn drop_caches(&self) -> Result<(), StoreError> {
         self.inner.drop_caches()
     }

@@ -196,6 +196,9 @@ pub(crate) struct Report {
     pub(crate) load_seconds: f64,
     /// Seconds the runs then waited for the expert slots to be backed with memory (`None`: no slots).
     pub(crate) slots_backed_seconds: Option<f64>,
+    /// Share of the expert slots on huge pages once backed (`None`: no slots, or the OS does not say); direct
+    /// reads into 4 KiB pages ran at half the speed or less on some machines.
+    pub(crate) slots_on_huge_pages: Option<f64>,
     /// Random reads of one record at fresh offsets, at the best depth, after the runs, GB/s: the disk limit the
     /// bounds use where a run has no probes of its own.
     pub(crate) disk_probe_gb_s: Option<f64>,
@@ -333,6 +336,9 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         s.wait_backed();
         backing.elapsed().as_secs_f64()
     });
+    let slots_on_huge_pages = (engine_source.as_ref())
+        .and_then(|s| s.slots_on_huge_pages())
+        .map(|(huge, all)| huge as f64 / all.max(1) as f64);
     let m = &p.model;
     if a.engine.verbose {
         eprintln!("{}", m.memory_plan);
@@ -508,6 +514,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
         threads: rayon::current_num_threads(),
         load_seconds,
         slots_backed_seconds,
+        slots_on_huge_pages,
         disk_probe_gb_s,
         disk_reread_gb_s: disk.and_then(|d| d.reread),
         disk_probe_depth: disk.map(|d| d.depth),
@@ -1062,7 +1069,10 @@ fn print_table(r: &Report) {
         r.load_seconds
     );
     if let Some(b) = r.slots_backed_seconds {
-        println!("expert slots backed with memory {b:.1} s after load, before the runs");
+        let huge = r
+            .slots_on_huge_pages
+            .map_or(String::new(), |h| format!(", {:.0}% on huge pages", 100.0 * h));
+        println!("expert slots backed with memory {b:.1} s after load, before the runs{huge}");
     }
     if let Some(d) = r.disk_probe_gb_s {
         println!(
@@ -1187,7 +1197,7 @@ fn print_table(r: &Report) {
         if let Some([before, after]) = x.disk_probes_gb_s {
             println!(
                 "{} disk probes: {before:.2} GB/s right before the run, {after:.2} right after (its bounds use \
-                 their mean, {:.2})",
+                 the faster, {:.2})",
                 x.run,
                 x.disk_gb_s(before)
             );

@@ -108,6 +108,11 @@ pub(super) fn resident_bytes() -> Option<u64> {
     super::statm_resident_bytes(&std::fs::read_to_string("/proc/self/statm").ok()?, super::page_size())
 }
 
+pub(super) fn huge_page_bytes(addr: usize, len: usize) -> Option<u64> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    super::smaps_huge_page_bytes(&smaps, addr, addr.checked_add(len)?)
+}
+
 pub(super) fn gpu_working_set_limit() -> Option<u64> {
     None
 }

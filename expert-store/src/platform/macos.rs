@@ -105,6 +105,10 @@ pub(super) fn resident_bytes() -> Option<u64> {
     (rc == libc::KERN_SUCCESS).then_some(info.resident_size)
 }
 
+pub(super) fn huge_page_bytes(_addr: usize, _len: usize) -> Option<u64> {
+    None
+}
+
 pub(super) fn gpu_working_set_limit() -> Option<u64> {
     // `sudo sysctl iogpu.wired_limit_mb=N` raises (or lowers) the limit; 0 means Metal's default.
     match sysctl::<i32>(c"iogpu.wired_limit_mb") {

@@ -73,6 +73,33 @@ pub fn meminfo_bytes(meminfo: &str, key: &str) -> Option<u64> {
     }
 }
 
+/// Bytes on transparent huge pages (`AnonHugePages`) of the mappings in Linux's `/proc/<pid>/smaps` that
+/// overlap `start..end`, at most its length; `None` if no mapping overlaps it.
+pub fn smaps_huge_page_bytes(smaps: &str, start: usize, end: usize) -> Option<u64> {
+    let (mut found, mut inside, mut total) = (false, false, 0u64);
+    for line in smaps.lines() {
+        if let Some((lo, hi)) = smaps_mapping_range(line) {
+            inside = lo < end && start < hi;
+            found |= inside;
+        } else if inside && line.starts_with("AnonHugePages:") {
+            total = total.saturating_add(meminfo_bytes(line, "AnonHugePages")?);
+        }
+    }
+    found.then(|| total.min(end.saturating_sub(start) as u64))
+}
+
+/// The address range of a mapping's header line in `smaps` (`7f12a000-7f12c000 rw-p …`); `None` for a field line.
+fn smaps_mapping_range(line: &str) -> Option<(usize, usize)> {
+    let (lo, hi) = line.split_whitespace().next()?.split_once('-')?;
+    Some((usize::from_str_radix(lo, 16).ok()?, usize::from_str_radix(hi, 16).ok()?))
+}
+
+/// Bytes of `len` at `addr` in this process that sit on transparent huge pages; `None` where the OS does not
+/// say (not Linux, or `addr` not mapped).
+pub fn huge_page_bytes(addr: usize, len: usize) -> Option<u64> {
+    os::huge_page_bytes(addr, len)
+}
+
 /// Resident bytes from Linux's `/proc/self/statm` (its second field counts pages).
 pub fn statm_resident_bytes(statm: &str, page_size: u64) -> Option<u64> {
     let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
@@ -476,6 +503,52 @@ mod tests {
         assert_eq!(default_gpu_working_set(128 << 30), 96 << 30);
         assert_eq!(default_gpu_working_set(24 << 30), 16 << 30);
         assert_eq!(default_gpu_working_set(36 << 30), 24 << 30);
+    }
+
+    #[test]
+    fn huge_page_bytes_are_summed_over_the_mappings_a_range_overlaps() {
+        let smaps = "7f0000000000-7f0000400000 rw-p 00000000 00:00 0 \n\
+                     Size:               4096 kB\n\
+                     AnonHugePages:      2048 kB\n\
+                     VmFlags: rd wr mr mw me ac hg\n\
+                     7f0000400000-7f0000800000 rw-p 00000000 00:00 0 \n\
+                     AnonHugePages:      4096 kB\n\
+                     7f0000800000-7f0000a00000 r--p 00000000 08:01 42    /usr/lib/libc.so.6\n\
+                     AnonHugePages:         0 kB\n";
+        let mb = 1usize << 20;
+        let base = 0x7f00_0000_0000usize;
+        // Both anonymous mappings, not the library after them.
+        assert_eq!(smaps_huge_page_bytes(smaps, base, base + 8 * mb), Some(6 << 20));
+        // Only the second; a range shorter than its mapping's huge bytes is capped at its own length.
+        assert_eq!(
+            smaps_huge_page_bytes(smaps, base + 4 * mb, base + 8 * mb),
+            Some(4 << 20)
+        );
+        assert_eq!(
+            smaps_huge_page_bytes(smaps, base + 5 * mb, base + 6 * mb),
+            Some(1 << 20)
+        );
+        // A mapping without huge pages, and an address nothing maps.
+        assert_eq!(smaps_huge_page_bytes(smaps, base + 8 * mb, base + 9 * mb), Some(0));
+        assert_eq!(smaps_huge_page_bytes(smaps, base + 16 * mb, base + 17 * mb), None);
+        assert_eq!(smaps_huge_page_bytes("", base, base + mb), None);
+    }
+
+    #[test]
+    fn this_process_reports_huge_pages_of_its_own_mappings_only() {
+        let len = 8 << 20;
+        let ptr = map_zeroed(len).expect("mapping");
+        // SAFETY: `ptr..ptr+len` is the fresh mapping made above, written only here.
+        unsafe { std::ptr::write_bytes(ptr.as_ptr(), 1, len) };
+        let got = huge_page_bytes(ptr.as_ptr() as usize, len);
+        if cfg!(target_os = "linux") {
+            // However many huge pages the kernel gave (none where they are off), never more than the range.
+            assert!(got.is_some_and(|b| b <= len as u64), "{got:?}");
+        } else {
+            assert_eq!(got, None);
+        }
+        // SAFETY: the mapping made above, unmapped once.
+        unsafe { unmap(ptr, len) };
     }
 
     #[test]

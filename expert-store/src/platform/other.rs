@@ -26,6 +26,10 @@ pub(super) fn resident_bytes() -> Option<u64> {
     None
 }
 
+pub(super) fn huge_page_bytes(_addr: usize, _len: usize) -> Option<u64> {
+    None
+}
+
 pub(super) fn gpu_working_set_limit() -> Option<u64> {
     None
 }
