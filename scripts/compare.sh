@@ -163,7 +163,9 @@ if w and dram and preset == "medium":
                                  for g, p in shares))
 if sl.get("slots_backed_seconds") is not None:
     lines.append(f"sluice load {sl['load_seconds']:.1f} s, then {sl['slots_backed_seconds']:.1f} s until its expert slots were "
-                 f"backed with memory (the runs start after both; llama.cpp's page cache is backed during its runs)")
+                 f"backed with memory (the runs start after both; llama.cpp's page cache is backed during its runs)"
+                 + (f", {100 * sl['slots_on_huge_pages']:.0f}% of them on huge pages"
+                    if sl.get("slots_on_huge_pages") is not None else ""))
 ram = sl.get("in_ram")
 if ram:
     lines.append(f"in-RAM compute of the same shape: prefill {ram['prefill_tok_s']:.2f}, decode {ram['decode_tok_s']:.2f} tok/s")
