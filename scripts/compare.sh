@@ -12,14 +12,27 @@
 #   compare.sh large    : 51.7 B (48 layers, 224 experts top-8), 29 GB: bigger than a 24 GB machine's RAM
 # Needs a release build of sluice (SLUICE=path, default target/release/sluice), root (drops the page cache) and
 # the peers kit (PEERS=dir with setup.sh and make_medium_model.py, default ../shared/peers beside the repo).
-# LLAMA_BIN=dir runs llama.cpp from another build of the same source: on some Sapphire Rapids VMs the kit's
-# native build segfaults in ggml's AMX matmul (llama.cpp issue 20824), and a build with AMX off is the one
-# that runs there (README, "Performance").
+# LLAMA_BIN=dir runs llama.cpp from another build of the same source. On a CPU with AMX the kit's native build
+# segfaults in ggml's AMX matmul (llama.cpp issue 20824; seen on every Sapphire Rapids VM here), so there, unless
+# LLAMA_BIN is given, the same source is built once more with AMX off, into $PEERS_DIR/llama-noamx, and used
+# (README, "Performance": llama.cpp then decodes at a third of its AMD speed, so those ratios flatter sluice).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 PEERS=${PEERS:-$HERE/../../shared/peers}
 OWN_LLAMA_BIN=${LLAMA_BIN:-}
 source "$PEERS/setup.sh"
+if [ -z "$OWN_LLAMA_BIN" ] && grep -qw amx_tile /proc/cpuinfo; then
+  NOAMX="$PEERS_DIR/llama-noamx"
+  if [ ! -x "$NOAMX/bin/llama-bench" ]; then
+    echo "note: this CPU has AMX; building llama.cpp without it into $NOAMX" >&2
+    flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    cmake -S "$SRC" -B "$NOAMX" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF \
+      -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF \
+      -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" > "$PEERS_DIR/cmake-config-noamx.log" 2>&1
+    cmake --build "$NOAMX" -j"$(nproc)" --target llama-bench llama-completion > "$PEERS_DIR/llama-build-noamx.log" 2>&1
+  fi
+  OWN_LLAMA_BIN="$NOAMX/bin"
+fi
 LLAMA_BIN=${OWN_LLAMA_BIN:-$LLAMA_BIN}
 [ -x "$LLAMA_BIN/llama-bench" ] || { echo "no llama-bench in LLAMA_BIN=$LLAMA_BIN"; exit 1; }
 PRESET=${1:?usage: compare.sh medium|large}
