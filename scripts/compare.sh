@@ -153,7 +153,8 @@ else:
     lines += ["| | llama.cpp | sluice | sluice ÷ llama.cpp |", "|---|---|---|---|"]
     lines += [f"| {n} | {a:.2f} | {b:.2f} | {q:.2f} |" for n, a, b, q in rows]
 lines += ["", f"sluice mode {sl['mode']}, disk probe {sl.get('disk_probe_gb_s') or 0:.2f} GB/s "
-          f"(best at depth {sl.get('disk_probe_depth')} in {sl.get('disk_probe_pieces')} piece(s), re-read {sl.get('disk_reread_gb_s') or 0:.2f}), "
+          f"(best at depth {sl.get('disk_probe_depth')} in {sl.get('disk_probe_pieces')} piece(s), its short window "
+          f"{sl.get('disk_probe_window_gb_s') or 0:.2f}, re-read {sl.get('disk_reread_gb_s') or 0:.2f}), "
           f"DRAM probe {sl.get('dram_probe_gb_s') or 0:.1f} GB/s, fresh memory {sl.get('fresh_memory_gb_s') or 0:.2f} GB/s"]
 w, dram = sl.get("weight_bytes_per_token"), sl.get("dram_probe_gb_s")
 if w and dram and preset == "medium":
