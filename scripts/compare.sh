@@ -15,7 +15,7 @@
 # LLAMA_BIN=dir runs llama.cpp from another build of the same source. On a CPU with AMX the kit's native build
 # segfaults in ggml's AMX matmul (llama.cpp issue 20824; seen on every Sapphire Rapids VM here), so there, unless
 # LLAMA_BIN is given, the same source is built once more with AMX off, into $PEERS_DIR/llama-noamx, and used
-# (README, "Performance": llama.cpp then decodes at a third of its AMD speed, so those ratios flatter sluice).
+# (`docs/performance-log.md`: llama.cpp then decodes at a third of its AMD speed, so those ratios flatter sluice).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 PEERS=${PEERS:-$HERE/../../shared/peers}

@@ -14,9 +14,9 @@
 //!   (`--prefill-chunk` when given; never more tokens than the KV budget's). A pass reads each streamed record
 //!   it misses once, so streamed (and mmapped) experts take passes of 2048 tokens, halved while their
 //!   activations would exceed ⅛ of the room left before them (down to 512); resident ones take 512, which
-//!   computes as fast (README, "Thirty-third session": on `compare.sh large`'s model a 2,048-token prompt read
-//!   23.5 MB per token in passes of 512 and 14.1 in one of 2,048; on a slow disk the first waited on reads
-//!   for 22% of the prefill and the second for 1%).
+//!   computes as fast (`docs/performance-log.md`, "Thirty-third session": on `compare.sh large`'s model a
+//!   2,048-token prompt read 23.5 MB per token in passes of 512 and 14.1 in one of 2,048; on a slow disk the
+//!   first waited on reads for 22% of the prefill and the second for 1%).
 //! - **attention scores** = compute threads × the scores one keeps per context position (4 positions × the
 //!   query heads of a key/value head, f32) × the KV budget's tokens: a thread keeps its largest task's (the
 //!   cpu backends). On mlx, 3 × 64 MiB: MLX's unfused attention holds a query block's scores, their masked
@@ -35,7 +35,7 @@
 //!   go through it. Resident experts are read once, through the page cache. On `compare.sh large`
 //!   (27 GB of experts, 24 GB machine) direct reads into the room-sized cache decoded 1.4–2.8× faster warm
 //!   than the old default (⅛ of memory, buffered) and 1.1–1.8× faster than the same cache read buffered
-//!   (README, "Defaults, and the measurements behind them").
+//!   (`docs/performance-log.md`, "Defaults, and the measurements behind them").
 
 use std::fmt;
 

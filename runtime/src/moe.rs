@@ -210,7 +210,7 @@ impl<B: Backend> SparseMoe<B> {
         let plan = RoutePlan::new(self.kind, &logits, self.num_experts, ks);
         // Records this pass reads (and the guesses made after it) are rewritten (tiled) only when each serves
         // several tokens here (a prompt's chunk): the rewrite costs its I/O thread about a millisecond per
-        // 2.5 MB record, and computed as stored a record gives the same bits (README, "Performance").
+        // 2.5 MB record, and computed as stored a record gives the same bits (`docs/performance-log.md`).
         let routes: usize = plan.users.iter().map(|u| u.len()).sum();
         let rewrite = routes >= REWRITE_MIN_USES * plan.used.len().max(1);
         let mut fetch = (self.experts).fetch_layer_rewriting(self.layer, &plan.used, rewrite)?;

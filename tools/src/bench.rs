@@ -333,7 +333,7 @@ pub(crate) fn measure_all(a: &BenchArgs) -> Result<Report> {
     let trace = tracer.as_deref();
     // The engine backs its slots with memory in the background from load on. The runs wait for it, so that
     // they time reads and compute rather than the OS handing the process its memory, a one-time cost at start
-    // (slow on VMs whose host takes freed memory back: README, "Why cold runs vary").
+    // (slow on VMs whose host takes freed memory back: `docs/performance-log.md`, "Why cold runs vary").
     let slots_backed_seconds = engine_source.as_ref().map(|s| {
         let backing = Instant::now();
         s.wait_backed();
@@ -801,7 +801,7 @@ impl ProbeBuffers {
 /// 3 and 1.4–2.1 at depth 8 in the same minute, and a probe at depth 8 alone judged runs (reading ~3 at a time)
 /// against less than they read. The search's own fastest window is not the figure: the fastest of eight
 /// windows of 0.4 s read 0.72 and 0.85 GB/s where `fio` sustained 0.42–0.55 over 5 to 20 s in the same half
-/// hour, and 2.0–2.6 where it read 0.9–2.0 over 5 s (README, "Performance"): bounds set by such a maximum judged
+/// hour, and 2.0–2.6 where it read 0.9–2.0 over 5 s (`docs/performance-log.md`): bounds set by such a maximum judged
 /// runs against a disk they never had.
 pub(crate) fn disk_probe_best(
     file: &Path,
