@@ -59,8 +59,8 @@ pub trait ExpertSource: Send + Sync {
     fn wait_backed(&self) {}
 
     /// Bytes of the source's slots on huge pages, and of its slots in all (`None`: no slots, or the OS does
-    /// not say). Direct reads into 4 KiB pages ran at half the speed or less on some machines (README,
-    /// "`sluice bench`").
+    /// not say). Direct reads into 4 KiB pages ran at half the speed or less on some machines
+    /// (`docs/performance-log.md`, "Huge pages matter to O_DIRECT here").
     fn slots_on_huge_pages(&self) -> Option<(u64, u64)> {
         None
     }

@@ -13,8 +13,8 @@ pub const DIRECT_ALIGN: u64 = 4096;
 
 /// The largest single read the engine issues: a longer one (a packed record, a large tensor slice in place) is
 /// cut into equal pieces of at most this size ([`piece_len`]) read side by side. On this VM's disk three ~0.9 MB
-/// reads side by side read a 2.65 MB record 9–15% faster than one read (README, "`sluice bench`"); an NVMe drive
-/// serves pieces in parallel.
+/// reads side by side read a 2.65 MB record 9–15% faster than one read (`docs/performance-log.md`, the
+/// twenty-sixth session); an NVMe drive serves pieces in parallel.
 pub const READ_PIECE: usize = 1 << 20;
 
 /// Alignment of each part inside a slot when reads are buffered (enough for any SIMD load).

@@ -770,7 +770,7 @@ pub(crate) struct DiskProbe {
 /// Bytes of buffers a probe's reads land in, in turn. An expert cache reads each miss into a slot it has not
 /// touched for a while, and on this VM's disk that costs more than reading into a buffer just read into: the
 /// same reader read 2.26–2.43 GB/s into one buffer per thread and 1.67–1.95 GB/s into buffers rotating over
-/// 48 MB to 8 GB (README, "`sluice bench`"). So the probe rotates over as many bytes as this, no cache can
+/// 48 MB to 8 GB (`docs/performance-log.md`, the twenty-sixth session). So the probe rotates over as many bytes as this, no cache can
 /// read faster than that, and the bound it sets is one a cache can meet.
 const PROBE_POOL: usize = 256 << 20;
 
@@ -849,8 +849,8 @@ fn probe_each_depth(file: &Path, record: u64, depth: usize, time: Duration) -> R
 /// The (depth, split) a probe tries: each depth of [`sluice_runtime::forecast::probe_depths`] with whole reads,
 /// and split into the engine's pieces ([`piece_len`]: at most [`expert_store::READ_PIECE`]) when a record is
 /// longer.
-/// On this VM three ~0.9 MB reads side by side read a 2.65 MB record 9–15% faster than one read (README,
-/// "`sluice bench`"); an in-place record's reads are pieces anyway (one per tensor), so a probe of whole reads
+/// On this VM three ~0.9 MB reads side by side read a 2.65 MB record 9–15% faster than one read
+/// (`docs/performance-log.md`, the twenty-sixth session); an in-place record's reads are pieces anyway (one per tensor), so a probe of whole reads
 /// alone would set too low a bar.
 fn probe_shapes(record: u64, depth: usize) -> Vec<(usize, bool)> {
     let depths = sluice_runtime::forecast::probe_depths(depth);
@@ -952,7 +952,8 @@ fn probe_reads(
     };
     let slots = (len - size) / DIRECT_ALIGN;
     // Offsets differ from run to run: with a fixed seed every probe read the same places, which a cache below
-    // the OS (a VM host's) may hold from the last run (README, "`sluice bench`").
+    // the OS (a VM host's) may hold from the last run (`docs/performance-log.md`, "`sluice bench`: how its
+    // probes and bounds came to be").
     let seed: u64 = rand::random();
     let (fresh, rereads) = (AtomicU64::new(0), AtomicU64::new(0));
     // A failed read ends the probe with its error: bytes not read would make the disk look slower (and the
