@@ -190,7 +190,8 @@ if preset == "large" and os.path.exists(f"{out}/sluice-store.json"):
     found = re.search(r"GB, (records [^)]*)\)", log)
     layout = found.group(1) if found else "layout not in convert.log"
     lines.append(f"packed store ({layout}): disk probe {st.get('disk_probe_gb_s') or 0:.2f} GB/s "
-                 f"(re-read {st.get('disk_reread_gb_s') or 0:.2f}), "
+                 f"(best at depth {st.get('disk_probe_depth')} in {st.get('disk_probe_pieces')} piece(s), its short "
+                 f"window {st.get('disk_probe_window_gb_s') or 0:.2f}, re-read {st.get('disk_reread_gb_s') or 0:.2f}), "
                  f"DRAM probe {st.get('dram_probe_gb_s') or 0:.1f} GB/s")
 for label, run in [(label, r) for label, src in sources for r in src["runs"]]:
     name = run["run"] + label
