@@ -207,7 +207,21 @@ impl TextCodec {
         if !tpath.exists() {
             return Err(ModelError::Tokenizer(format!("{}: not found", tpath.display())));
         }
-        let mut tok = tokenizers::Tokenizer::from_file(&tpath).map_err(|e| tok_err(&tpath, e))?;
+        // The tokenizers crate panics on some inconsistent files (a BPE `continuing_subword_prefix` its merges do
+        // not carry slices a token mid-character): that is a bad file, and an error, not a crash.
+        let built = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_file(&tpath));
+        let mut tok = match built {
+            Ok(t) => t.map_err(|e| tok_err(&tpath, e))?,
+            Err(panic) => {
+                let why = (panic.downcast_ref::<String>().map(String::as_str))
+                    .or_else(|| panic.downcast_ref::<&str>().copied())
+                    .unwrap_or("no message");
+                return Err(tok_err(
+                    &tpath,
+                    format!("the tokenizers library could not build it ({why})"),
+                ));
+            }
+        };
         // A tokenizer.json may keep the truncation and padding it was trained with; Hugging Face's tokenizers
         // drop them unless a call asks, and a prompt or an eval text cut short without a word would be wrong.
         tok.with_truncation(None).map_err(|e| tok_err(&tpath, e))?;

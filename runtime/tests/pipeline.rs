@@ -156,6 +156,19 @@ fn corrupt_or_missing_sizes_are_clear_errors() {
         None,
     );
     assert!(e.contains("missing field `shared_expert_intermediate_size`"), "{e}");
+    // Found by `mutations.rs`: both loaded and ran. A negative epsilon gives NaN on quiet inputs; a zero shared
+    // expert size skipped the checkpoint's shared expert, and the model answered wrong.
+    let e = load_error_with("qwen3_moe-q4g64", |c| c["rms_norm_eps"] = (-1).into(), None);
+    assert!(e.contains("rms_norm_eps -1 must be a finite number ≥ 0"), "{e}");
+    let e = load_error_with(
+        "qwen3_next-q4g64",
+        |c| c["shared_expert_intermediate_size"] = 0.into(),
+        None,
+    );
+    assert!(
+        e.contains("has a shared expert at `model.layers.0.mlp.shared_expert`"),
+        "{e}"
+    );
     // A zero expert width made zero-length expert reads (a division by zero when streamed in place).
     let e = load_error_with("qwen3_moe-q4g64", |c| c["moe_intermediate_size"] = 0.into(), None);
     assert!(
@@ -511,4 +524,24 @@ fn expert_top_k_out_of_range_and_empty_prompt_are_errors() {
         .unwrap_err();
     assert!(matches!(e, ModelError::InvalidArgument(_)), "{e}");
     assert!(e.to_string().contains("outside the vocabulary"), "{e}");
+}
+
+/// Found by `mutations.rs`: a BPE tokenizer whose `continuing_subword_prefix` its merges do not carry made the
+/// tokenizers library panic while building it (slicing a token mid-character). Loading fails with an error
+/// naming the file instead.
+#[test]
+fn a_tokenizer_the_library_panics_on_is_a_clear_error() {
+    let tmp = copy_of(&fixture("qwen3_5_moe-q4g64"));
+    let path = tmp.path().join("tokenizer.json");
+    let mut t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    t["model"]["continuing_subword_prefix"] = "x".into();
+    std::fs::write(&path, t.to_string()).unwrap();
+    let e = match Pipeline::load(tmp.path()) {
+        Ok(_) => panic!("loaded a tokenizer its library cannot build"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        e.contains("tokenizer.json") && e.contains("the tokenizers library could not build it"),
+        "{e}"
+    );
 }

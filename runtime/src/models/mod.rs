@@ -259,6 +259,30 @@ fn described(config: &ModelConfig, tensors: Option<&Weights>) -> Result<Architec
         if inter == 0 {
             return Err(config.error(format!("layer {i}'s {what} intermediate size must be non-zero")));
         }
+        // Weights the config says are not there would be skipped, and the model would answer wrong.
+        if let (
+            FfnPlan::Moe {
+                prefix, shared: None, ..
+            },
+            Some(w),
+        ) = (plan, tensors)
+        {
+            if w.has(&format!("{prefix}.shared_expert.down_proj.weight")) {
+                return Err(config.error(format!(
+                    "the checkpoint has a shared expert at `{prefix}.shared_expert`, but the config gives it no size \
+                     (shared_expert_intermediate_size)"
+                )));
+            }
+        }
+    }
+    // Fewer layers than the checkpoint holds run (a deliberate cut is possible), but say so.
+    let next_layer = format!("model.layers.{}.input_layernorm.weight", arch.dims.layers);
+    if tensors.is_some_and(|w| w.has(&next_layer)) {
+        tracing::warn!(
+            "the checkpoint has more layers than num_hidden_layers {}; layers {} and on are not used",
+            arch.dims.layers,
+            arch.dims.layers
+        );
     }
     Ok(arch)
 }
@@ -387,6 +411,10 @@ impl DecoderDims {
         }
         if !a.head_dim.is_multiple_of(2) {
             return Err(c.error(format!("head_dim {} must be even for RoPE", a.head_dim)));
+        }
+        // A negative epsilon takes the square root of a negative mean square (NaN) on quiet inputs.
+        if !(self.eps.is_finite() && self.eps >= 0.0) {
+            return Err(c.error(format!("rms_norm_eps {} must be a finite number ≥ 0", self.eps)));
         }
         if num_experts > 0 && (self.top_k == 0 || self.top_k > num_experts) {
             return Err(c.error(format!(
