@@ -998,3 +998,111 @@ fn generation_config_sets_the_sampling_a_request_leaves_out() {
     let s = start_model(&dir, &["--sampling-defaults", "openai"]);
     assert_eq!(text(&s, json!({})), sampled);
 }
+
+/// Every node of three realistic requests (a chat with most sampling fields, the same streamed, a completion)
+/// replaced in turn by a value of another kind or range, or removed: each answer is a completion (a JSON one,
+/// or an SSE stream that ends with `[DONE]`) or a 4xx with an OpenAI error body that says what is wrong. Never a
+/// 5xx, never a dropped connection, and the server keeps serving. `SLUICE_SHOW_MUTATIONS=1` prints each answer.
+#[test]
+fn every_request_field_damaged_gets_a_completion_or_an_openai_error() {
+    let s = start(&[]);
+    let chat = json!({
+        "model": "fox",
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        "max_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
+        "repetition_penalty": 1.1, "frequency_penalty": 0.1, "presence_penalty": 0.1, "seed": 7,
+        "stop": ["\n\n"], "n": 1, "expert_top_k": 2, "ignore_eos": false,
+        "chat_template_kwargs": {"enable_thinking": false},
+    });
+    let mut streamed = chat.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let completion = json!({"model": "fox", "prompt": "It was a", "max_tokens": 4, "temperature": 0, "stop": "x"});
+    let replacements = [
+        json!(0),
+        json!(1),
+        json!(-1),
+        json!(1_000_003),
+        json!(2.5),
+        json!("7"),
+        json!("x"),
+        json!(""),
+        Value::Null,
+        json!(true),
+        json!([]),
+        json!({}),
+    ];
+    let mut checked = 0;
+    let mut faults = Vec::new();
+    for (endpoint, base) in [
+        ("/v1/chat/completions", &chat),
+        ("/v1/chat/completions", &streamed),
+        ("/v1/completions", &completion),
+    ] {
+        // Undamaged, each is answered: a case fails for its damage.
+        let (st, body) = request(&s, "POST", endpoint, &base.to_string());
+        assert_eq!(st, 200, "{endpoint} {base}: {body}");
+        let mut pointers = Vec::new();
+        every_node(base, String::new(), &mut pointers);
+        for pointer in pointers {
+            let (parent, key) = pointer.rsplit_once('/').unwrap();
+            let mut cases: Vec<(String, Value)> = Vec::new();
+            for r in &replacements {
+                let mut v = base.clone();
+                *v.pointer_mut(&pointer).unwrap() = r.clone();
+                cases.push((format!("{pointer} = {r}"), v));
+            }
+            let mut v = base.clone();
+            match v.pointer_mut(parent).unwrap() {
+                Value::Object(m) => drop(m.remove(key)),
+                Value::Array(a) => drop(a.remove(key.parse::<usize>().unwrap())),
+                _ => unreachable!("a node sits in an object or an array"),
+            }
+            cases.push((format!("{pointer} removed"), v));
+            for (label, body) in cases {
+                checked += 1;
+                let (st, text) = request(&s, "POST", endpoint, &body.to_string());
+                let stream = body["stream"] == json!(true);
+                let fine = match st {
+                    200 if stream => text.lines().any(|l| l == "data: [DONE]"),
+                    200 => serde_json::from_str::<Value>(&text).is_ok_and(|v| v["choices"][0].is_object()),
+                    400..=499 => serde_json::from_str::<Value>(&text).is_ok_and(|v| {
+                        v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()) && v["error"]["type"].is_string()
+                    }),
+                    _ => false,
+                };
+                if std::env::var_os("SLUICE_SHOW_MUTATIONS").is_some() {
+                    eprintln!("{endpoint} {label}: {st}");
+                }
+                if !fine {
+                    faults.push(format!("{endpoint} {label}: {st} {}", &text[..text.len().min(300)]));
+                }
+            }
+        }
+    }
+    assert!(checked > 500, "only {checked} requests: the walk found too few fields");
+    assert!(
+        faults.is_empty(),
+        "{} of {checked} damaged requests:\n{}",
+        faults.len(),
+        faults.join("\n")
+    );
+    assert_eq!(request(&s, "GET", "/health", "").0, 200);
+}
+
+/// The JSON pointer of every node of `v` below the root.
+fn every_node(v: &Value, at: String, out: &mut Vec<String>) {
+    let children: Vec<(String, &Value)> = match v {
+        Value::Object(m) => m
+            .iter()
+            .map(|(k, v)| (k.replace('~', "~0").replace('/', "~1"), v))
+            .collect(),
+        Value::Array(a) => a.iter().enumerate().map(|(i, v)| (i.to_string(), v)).collect(),
+        _ => Vec::new(),
+    };
+    for (k, child) in children {
+        let p = format!("{at}/{k}");
+        out.push(p.clone());
+        every_node(child, p, out);
+    }
+}
