@@ -77,9 +77,36 @@ enum Outcome {
     Panicked(String),
 }
 
-/// Loads `dir` with `opts` and generates two tokens after `prompt`.
+/// What `sluice doctor` computes from a config alone (no tensors): the model's sizes, the memory plan, and the
+/// forecast at each `--top-k` it lists, warm and cold, against fixed machine probes.
+fn size_and_forecast(dir: &Path, opts: &ExpertOptions) -> Result<(), sluice_runtime::ModelError> {
+    use sluice_runtime::forecast::{check_top_k, forecast, size_from_config, MachineProbes};
+    use sluice_runtime::memory_plan::{MachineMemory, MemoryPlan, PlanRequest};
+    let config = sluice_runtime::config::ModelConfig::load(dir)?;
+    let size = size_from_config(&config, None, opts)?;
+    let probes = MachineProbes {
+        disk_gbps_by_depth: vec![(1, 0.5), (2, 0.9), (4, 1.6), (8, 2.0)],
+        dram_gbps: 30.0,
+        matvec_gbps: 20.0,
+        call_seconds: 1e-5,
+    };
+    let machine = MachineMemory::probe_for(opts.backend);
+    let plan = MemoryPlan::new(machine, size.footprint, &PlanRequest::from_options(opts));
+    for k in sluice_runtime::eval::default_top_ks(size.top_k, size.num_experts) {
+        check_top_k(&size, k)?;
+        for cold in [false, true] {
+            forecast(&size, &plan, &probes, opts.io_depth, k.max(1), cold, 0);
+        }
+    }
+    Ok(())
+}
+
+/// Sizes `dir` from its config as `sluice doctor` does, then loads it with `opts` and generates two tokens
+/// after `prompt`. A panic in either fails the case; the outcome is the load's (a config doctor refuses may
+/// still load, and the other way round).
 fn load_and_generate(dir: &Path, opts: &ExpertOptions, prompt: &Prompt) -> Outcome {
     let run = || -> Result<(), sluice_runtime::ModelError> {
+        let _ = size_and_forecast(dir, opts);
         let p = Pipeline::load_with(dir, opts)?;
         let params = GenerateParams {
             max_tokens: 2,
