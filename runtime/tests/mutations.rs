@@ -101,12 +101,16 @@ fn size_and_forecast(dir: &Path, opts: &ExpertOptions) -> Result<(), sluice_runt
     Ok(())
 }
 
-/// Sizes `dir` from its config as `sluice doctor` does, then loads it with `opts` and generates two tokens
-/// after `prompt`. A panic in either fails the case; the outcome is the load's (a config doctor refuses may
-/// still load, and the other way round).
-fn load_and_generate(dir: &Path, opts: &ExpertOptions, prompt: &Prompt) -> Outcome {
+/// Sizes `dir` from its config as `sluice doctor` does, packs it into a store as `sluice convert` does (with
+/// `convert`), then loads it with `opts` and generates two tokens after `prompt`. A panic in any of them fails
+/// the case; the outcome is the load's (a config doctor refuses may still load, and the other way round).
+fn load_and_generate(dir: &Path, opts: &ExpertOptions, prompt: &Prompt, convert: bool) -> Outcome {
     let run = || -> Result<(), sluice_runtime::ModelError> {
         let _ = size_and_forecast(dir, opts);
+        if convert {
+            let out = tempfile::tempdir().unwrap();
+            let _ = convert_model(dir, &out.path().join("store"), false, StoreLayout::Auto, &|_, _| {});
+        }
         let p = Pipeline::load_with(dir, opts)?;
         let params = GenerateParams {
             max_tokens: 2,
@@ -238,12 +242,13 @@ fn json_cases(name: &str, file: &'static str, keep: impl Fn(&str) -> bool) -> Ve
     cases
 }
 
-/// Runs `cases` of each fixture and fails on any panic, after checking the walk made at least `min` cases.
-fn no_faults(what: &str, min: usize, cases: impl Fn(&str) -> Vec<Case>) {
+/// Runs `cases` of each fixture (loaded, and with `convert` packed too) and fails on any fault, after checking the
+/// walk made at least `min` cases.
+fn no_faults(what: &str, min: usize, convert: bool, cases: impl Fn(&str) -> Vec<Case>) {
     let mut all = Vec::new();
     let raw = Prompt::Raw("It was a".into());
     for name in FIXTURES {
-        let run = |dir: &Path| load_and_generate(dir, &ExpertOptions::default(), &raw);
+        let run = |dir: &Path| load_and_generate(dir, &ExpertOptions::default(), &raw, convert);
         // Undamaged, it runs: a case is refused for its damage, not for something every case shares.
         let intact = outcomes_of(
             name,
@@ -273,14 +278,14 @@ fn no_faults(what: &str, min: usize, cases: impl Fn(&str) -> Vec<Case>) {
 fn every_config_field_damaged_loads_or_fails_cleanly() {
     // Per-layer quantization overrides repeat one shape many times: the first layer's stand for the rest.
     let first_layer = |p: &str| !p.contains("layers.") || p.contains("layers.0.");
-    no_faults("config fields", 1000, |name| {
+    no_faults("config fields", 1000, false, |name| {
         json_cases(name, "config.json", first_layer)
     });
 }
 
 #[test]
 fn every_tokenizer_and_index_field_damaged_loads_or_fails_cleanly() {
-    no_faults("tokenizer and index fields", 300, |name| {
+    no_faults("tokenizer and index fields", 300, false, |name| {
         let mut cases = json_cases(name, "tokenizer_config.json", |_| true);
         // The tokenizer's own settings and first added tokens, not every vocabulary entry and merge.
         cases.extend(json_cases(name, "tokenizer.json", |p| {
@@ -297,7 +302,7 @@ fn every_tokenizer_and_index_field_damaged_loads_or_fails_cleanly() {
 
 #[test]
 fn truncated_files_load_or_fail_cleanly() {
-    no_faults("files cut short", 100, |name| {
+    no_faults("files cut short", 100, true, |name| {
         let mut cases: Vec<Case> = Vec::new();
         for file in [
             "config.json",
@@ -381,7 +386,7 @@ fn redeclarations(info: &Value) -> Vec<(String, Value)> {
 
 #[test]
 fn every_tensor_redeclared_loads_or_fails_cleanly() {
-    no_faults("tensor declarations", 200, |name| {
+    no_faults("tensor declarations", 200, true, |name| {
         let bytes = std::fs::read(fixture(name).join("model.safetensors")).unwrap();
         let (header, _) = split_safetensors(&bytes);
         let mut cases: Vec<Case> = Vec::new();
@@ -459,7 +464,7 @@ fn every_store_manifest_field_damaged_loads_or_fails_cleanly() {
         ..ExpertOptions::default()
     };
     let every_expert = Prompt::Tokens((0..24).collect());
-    let run = |dir: &Path| load_and_generate(dir, &opts, &every_expert);
+    let run = |dir: &Path| load_and_generate(dir, &opts, &every_expert, false);
     let intact = outcomes_of(name, &store, vec![("intact".into(), Box::new(|_: &Path| {}))], &run);
     assert!(matches!(intact[0].1, Outcome::Ran), "{:?}", intact[0].1);
     let all = outcomes_of(name, &store, cases, &run);
