@@ -220,9 +220,10 @@ fn faults(outcomes: &[(String, Outcome)]) -> Vec<String> {
         .collect()
 }
 
-/// Every case of one JSON file of `name`: each scalar kept by `keep` (a JSON pointer) replaced or removed.
-fn json_cases(name: &str, file: &'static str, keep: impl Fn(&str) -> bool) -> Vec<Case> {
-    let json: Value = serde_json::from_str(&std::fs::read_to_string(fixture(name).join(file)).unwrap()).unwrap();
+/// Every case of one JSON file in `src` (a fixture or a store): each scalar kept by `keep` (a JSON pointer)
+/// replaced or removed.
+fn json_cases(src: &Path, file: &'static str, keep: impl Fn(&str) -> bool) -> Vec<Case> {
+    let json: Value = serde_json::from_str(&std::fs::read_to_string(src.join(file)).unwrap()).unwrap();
     let mut paths = Vec::new();
     scalar_paths(&json, String::new(), &mut paths);
     let mut cases: Vec<Case> = Vec::new();
@@ -249,28 +250,38 @@ fn no_faults(what: &str, min: usize, convert: bool, cases: impl Fn(&str) -> Vec<
     let raw = Prompt::Raw("It was a".into());
     for name in FIXTURES {
         let run = |dir: &Path| load_and_generate(dir, &ExpertOptions::default(), &raw, convert);
-        // Undamaged, it runs: a case is refused for its damage, not for something every case shares.
-        let intact = outcomes_of(
-            name,
-            &fixture(name),
-            vec![("intact".into(), Box::new(|_: &Path| {}))],
-            &run,
-        );
-        assert!(matches!(intact[0].1, Outcome::Ran), "{name}: {:?}", intact[0].1);
-        all.extend(outcomes_of(name, &fixture(name), cases(name), &run));
+        all.extend(intact_then_damaged(name, &fixture(name), cases(name), &run));
     }
+    assert_no_faults(what, min, &all);
+}
+
+/// [`outcomes_of`] the cases, after checking that `src` undamaged runs: so a case is refused for its damage,
+/// not for something every case shares.
+fn intact_then_damaged(
+    name: &str,
+    src: &Path,
+    cases: Vec<Case>,
+    run: &dyn Fn(&Path) -> Outcome,
+) -> Vec<(String, Outcome)> {
+    let intact = outcomes_of(name, src, vec![("intact".into(), Box::new(|_: &Path| {}))], run);
+    assert!(matches!(intact[0].1, Outcome::Ran), "{name}: {:?}", intact[0].1);
+    outcomes_of(name, src, cases, run)
+}
+
+/// Fails on any fault among `all` (the damaged `what`), or when the walk made fewer than `min` cases.
+fn assert_no_faults(what: &str, min: usize, all: &[(String, Outcome)]) {
     assert!(
         all.len() >= min,
         "only {} cases: the walk found too few {what}",
         all.len()
     );
-    let panicked = faults(&all);
+    let found = faults(all);
     assert!(
-        panicked.is_empty(),
+        found.is_empty(),
         "{} of {} damaged {what} panicked or failed without a message:\n{}",
-        panicked.len(),
+        found.len(),
         all.len(),
-        panicked.join("\n")
+        found.join("\n")
     );
 }
 
@@ -279,21 +290,21 @@ fn every_config_field_damaged_loads_or_fails_cleanly() {
     // Per-layer quantization overrides repeat one shape many times: the first layer's stand for the rest.
     let first_layer = |p: &str| !p.contains("layers.") || p.contains("layers.0.");
     no_faults("config fields", 1000, false, |name| {
-        json_cases(name, "config.json", first_layer)
+        json_cases(&fixture(name), "config.json", first_layer)
     });
 }
 
 #[test]
 fn every_tokenizer_and_index_field_damaged_loads_or_fails_cleanly() {
     no_faults("tokenizer and index fields", 300, false, |name| {
-        let mut cases = json_cases(name, "tokenizer_config.json", |_| true);
+        let mut cases = json_cases(&fixture(name), "tokenizer_config.json", |_| true);
         // The tokenizer's own settings and first added tokens, not every vocabulary entry and merge.
-        cases.extend(json_cases(name, "tokenizer.json", |p| {
+        cases.extend(json_cases(&fixture(name), "tokenizer.json", |p| {
             !p.starts_with("/model/vocab/") && !p.starts_with("/model/merges/") && !p.starts_with("/added_tokens/")
                 || p.starts_with("/added_tokens/0/")
         }));
         // A shard map naming other files (or none) for the first layers' tensors and everything outside them.
-        cases.extend(json_cases(name, "model.safetensors.index.json", |p| {
+        cases.extend(json_cases(&fixture(name), "model.safetensors.index.json", |p| {
             !p.contains("layers.") || p.contains("layers.0.")
         }));
         cases
@@ -429,31 +440,13 @@ fn every_store_manifest_field_damaged_loads_or_fails_cleanly() {
     let tmp = tempfile::tempdir().unwrap();
     let store = tmp.path().join("store");
     convert_model(&fixture(name), &store, false, StoreLayout::Auto, &|_, _| {}).unwrap();
-    let manifest = expert_store::MANIFEST_FILE;
-    let json: Value = serde_json::from_str(&std::fs::read_to_string(store.join(manifest)).unwrap()).unwrap();
-    let mut paths = Vec::new();
-    scalar_paths(&json, String::new(), &mut paths);
     // The store's own fields, the first layer's parts and layout, and its first two records.
-    paths.retain(|p| {
+    let cases = json_cases(&store, expert_store::MANIFEST_FILE, |p| {
         !p.starts_with("/layers/")
             || (p.starts_with("/layers/0/") && !p.contains("/records/"))
             || p.starts_with("/layers/0/records/0/")
             || p.starts_with("/layers/0/records/1/")
     });
-    let mut cases: Vec<Case> = Vec::new();
-    for path in paths {
-        for with in replacements(json.pointer(&path).unwrap()) {
-            let edited = mutated(&json, &path, &with);
-            let label = match &with {
-                Some(v) => format!("{manifest} {path} = {v}"),
-                None => format!("{manifest} {path} removed"),
-            };
-            cases.push((
-                label,
-                Box::new(move |dir: &Path| std::fs::write(dir.join(manifest), edited.to_string()).unwrap()),
-            ));
-        }
-    }
     let opts = ExpertOptions {
         mode: ExpertMode::Stream,
         cache_bytes: Some(64 << 10),
@@ -465,20 +458,5 @@ fn every_store_manifest_field_damaged_loads_or_fails_cleanly() {
     };
     let every_expert = Prompt::Tokens((0..24).collect());
     let run = |dir: &Path| load_and_generate(dir, &opts, &every_expert, false);
-    let intact = outcomes_of(name, &store, vec![("intact".into(), Box::new(|_: &Path| {}))], &run);
-    assert!(matches!(intact[0].1, Outcome::Ran), "{:?}", intact[0].1);
-    let all = outcomes_of(name, &store, cases, &run);
-    assert!(
-        all.len() >= 150,
-        "only {} cases: the walk found too few fields",
-        all.len()
-    );
-    let panicked = faults(&all);
-    assert!(
-        panicked.is_empty(),
-        "{} of {} damaged manifests panicked or failed without a message:\n{}",
-        panicked.len(),
-        all.len(),
-        panicked.join("\n")
-    );
+    assert_no_faults("manifest fields", 150, &intact_then_damaged(name, &store, cases, &run));
 }
