@@ -275,10 +275,28 @@ fn note(line: &dyn std::fmt::Display) {
     let _ = writeln!(std::io::stderr(), "{line}");
 }
 
-/// Refuses `--threads 0` (rayon would read it as "all cores").
+/// Compute threads per core beyond which a count is refused: more only take turns on the same cores, and a
+/// count like 1000003 would spend minutes starting threads.
+const MAX_THREADS_PER_CORE: usize = 4;
+
+/// Refuses `--threads 0` (rayon would read it as "all cores") and more threads, from `--threads` or
+/// `RAYON_NUM_THREADS`, than [`MAX_THREADS_PER_CORE`] per core.
 fn check_threads(threads: Option<usize>) -> Result<()> {
     if threads == Some(0) {
         bail!("--threads must be at least 1");
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let n = sluice_runtime::threads::compute_threads(threads);
+    if n > MAX_THREADS_PER_CORE * cores {
+        let from = if threads.is_some() {
+            "--threads"
+        } else {
+            "RAYON_NUM_THREADS"
+        };
+        bail!(
+            "{from} asks for {n} compute threads on a machine with {cores} cores; at most {} ({MAX_THREADS_PER_CORE} per core)",
+            MAX_THREADS_PER_CORE * cores
+        );
     }
     Ok(())
 }

@@ -291,6 +291,11 @@ fn bad_flags_are_rejected() {
         (&["--top-k", "99"], "top-k 99 must be between 1 and the model's"),
         (&["--temperature=-1"], "temperature must be ≥ 0, got -1"),
         (&["--threads", "0"], "--threads must be at least 1"),
+        // Found by the flag walk below: it spent minutes starting a million threads.
+        (
+            &["--threads", "1000003"],
+            "--threads asks for 1000003 compute threads on a machine with",
+        ),
         (&["--ctx-size", "0"], "--ctx-size <CTX_SIZE>': must be at least 1 token"),
         // Flags that would be dropped without a word.
         (
@@ -364,4 +369,114 @@ fn backend_flag_selects_cpu_and_explains_a_build_without_mlx() {
             text(&out.stderr)
         );
     }
+}
+
+/// Every option of `generate`, `bench` and `eval` that takes a value (read from each command's `--help`, so a new
+/// one is walked too), given values a typo or a script bug passes (0, −1, 1000003, 2.5, `x`, empty): each run
+/// exits 0, or 1 or 2 with a message, within a minute, and never panics. (The walk found `--threads 1000003`
+/// starting threads for minutes.)
+#[test]
+fn every_option_given_a_bad_value_exits_cleanly() {
+    let model = fixture("qwen3_moe-q4g64");
+    let trained = fixture("brown-qwen3_moe-q4g64");
+    let heldout = fixture("brown-heldout.txt");
+    let (model, trained, heldout) = (
+        model.to_str().unwrap(),
+        trained.to_str().unwrap(),
+        heldout.to_str().unwrap(),
+    );
+    // Each command's base: a quick run on a fixture. Its own options are not varied (a huge prompt length or
+    // probe time would be a long run, not a fault).
+    let commands: [&[&str]; 3] = [
+        &["generate", "--model", model, "--prompt", "It was", "--max-tokens", "3"],
+        &[
+            "bench",
+            "--model",
+            model,
+            "-p",
+            "4",
+            "-n",
+            "3",
+            "--probe-seconds",
+            "0",
+            "--runs",
+            "warm",
+        ],
+        &[
+            "eval",
+            "--model",
+            trained,
+            "--text",
+            heldout,
+            "--windows",
+            "1",
+            "--ctx",
+            "32",
+            "--decode-tokens",
+            "0",
+        ],
+    ];
+    let mut runs = 0;
+    let mut faults = Vec::new();
+    for base in commands {
+        let help = text(&sluice(&[base[0], "--help"]).stdout);
+        let options: Vec<&str> = (help.lines())
+            .filter_map(|l| {
+                let l = l.trim_start();
+                let l = l
+                    .split_once(", ")
+                    .filter(|(short, _)| short.len() == 2)
+                    .map_or(l, |(_, long)| long);
+                let (name, rest) = l.split_once(' ')?;
+                (name.starts_with("--") && rest.starts_with('<')).then_some(name)
+            })
+            .filter(|o| !base.contains(o) && *o != "--plot")
+            .collect();
+        assert!(options.len() >= 10, "{}: only {options:?} in its --help", base[0]);
+        for option in options {
+            for value in ["0", "-1", "1000003", "2.5", "x", ""] {
+                let mut args = base.to_vec();
+                args.extend([option, value]);
+                runs += 1;
+                let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+                    .args(&args)
+                    .stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap();
+                let mut stderr = child.stderr.take().unwrap();
+                let reader = std::thread::spawn(move || {
+                    let mut s = String::new();
+                    let _ = std::io::Read::read_to_string(&mut stderr, &mut s);
+                    s
+                });
+                let start = std::time::Instant::now();
+                let status = loop {
+                    if let Some(status) = child.try_wait().unwrap() {
+                        break Some(status);
+                    }
+                    if start.elapsed() > std::time::Duration::from_secs(60) {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        break None;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                };
+                let err = reader.join().unwrap();
+                let fine = status.is_some_and(|s| matches!(s.code(), Some(0..=2)))
+                    && !err.contains("panicked")
+                    && (status.is_some_and(|s| s.success()) || !err.trim().is_empty());
+                if !fine {
+                    let last = err.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
+                    faults.push(format!("{} {option} {value:?}: {status:?}: {last}", base[0]));
+                }
+            }
+        }
+    }
+    assert!(
+        faults.is_empty(),
+        "{} of {runs} runs:\n{}",
+        faults.len(),
+        faults.join("\n")
+    );
 }
