@@ -224,12 +224,17 @@ fn faults(outcomes: &[(String, Outcome)]) -> Vec<String> {
 /// replaced or removed.
 fn json_cases(src: &Path, file: &'static str, keep: impl Fn(&str) -> bool) -> Vec<Case> {
     let json: Value = serde_json::from_str(&std::fs::read_to_string(src.join(file)).unwrap()).unwrap();
+    edits_of(&json, file, keep)
+}
+
+/// Every case of `json` written as `file`: each scalar kept by `keep` replaced or removed.
+fn edits_of(json: &Value, file: &'static str, keep: impl Fn(&str) -> bool) -> Vec<Case> {
     let mut paths = Vec::new();
-    scalar_paths(&json, String::new(), &mut paths);
+    scalar_paths(json, String::new(), &mut paths);
     let mut cases: Vec<Case> = Vec::new();
     for path in paths.into_iter().filter(|p| keep(p)) {
         for with in replacements(json.pointer(&path).unwrap()) {
-            let edited = mutated(&json, &path, &with);
+            let edited = mutated(json, &path, &with);
             let label = match &with {
                 Some(v) => format!("{file} {path} = {v}"),
                 None => format!("{file} {path} removed"),
@@ -307,6 +312,12 @@ fn every_tokenizer_and_index_field_damaged_loads_or_fails_cleanly() {
         cases.extend(json_cases(&fixture(name), "model.safetensors.index.json", |p| {
             !p.contains("layers.") || p.contains("layers.0.")
         }));
+        // The fixtures have no generation_config.json: Qwen3's, with this fixture's token ids.
+        let generation = serde_json::json!({
+            "bos_token_id": 0, "do_sample": true, "eos_token_id": [1, 2], "pad_token_id": 1,
+            "temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.0, "repetition_penalty": 1.05,
+        });
+        cases.extend(edits_of(&generation, "generation_config.json", |_| true));
         cases
     });
 }

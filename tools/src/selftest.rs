@@ -24,7 +24,7 @@ pub struct SelftestArgs {
     /// Directory of fixtures, each with a golden.json (default: the checkout's `fixtures/`).
     #[arg(long, env = "SLUICE_FIXTURES")]
     fixtures: Option<PathBuf>,
-    /// Compute backend: cpu or mlx (default: the one `generate` uses on this machine).
+    /// Compute backend: cpu, mlx or reference (default: the one `generate` uses on this machine).
     #[arg(long, env = "SLUICE_BACKEND")]
     backend: Option<BackendKind>,
     /// Only the fixtures whose name contains this.

@@ -61,8 +61,9 @@ pub struct EngineArgs {
     /// to ~1e-5).
     #[arg(long, default_value = "auto", env = "SLUICE_KV_CACHE")]
     pub kv_cache: KvCacheArg,
-    /// Compute backend: `cpu` (sluice's kernels) or `mlx` (MLX: Metal on macOS; needs a build with
-    /// `--features mlx`). Default: mlx on macOS when compiled in, else cpu.
+    /// Compute backend: `cpu` (sluice's kernels), `mlx` (MLX: Metal on macOS; needs a build with
+    /// `--features mlx`) or `reference` (naive f64, the tests' oracle: slow). Default: mlx on macOS when compiled
+    /// in, else cpu.
     #[arg(long, env = "SLUICE_BACKEND")]
     pub backend: Option<BackendKind>,
     /// Print the memory plan (every budget, from the machine's memory and these flags) when the model loads.
