@@ -213,9 +213,7 @@ impl TextCodec {
         let mut tok = match built {
             Ok(t) => t.map_err(|e| tok_err(&tpath, e))?,
             Err(panic) => {
-                let why = (panic.downcast_ref::<String>().map(String::as_str))
-                    .or_else(|| panic.downcast_ref::<&str>().copied())
-                    .unwrap_or("no message");
+                let why = expert_store::panic_message(panic.as_ref());
                 return Err(tok_err(
                     &tpath,
                     format!("the tokenizers library could not build it ({why})"),

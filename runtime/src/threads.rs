@@ -35,7 +35,12 @@ pub fn compute_threads(threads: Option<usize>) -> usize {
     };
     (threads.filter(|&n| n > 0))
         .or_else(from_env)
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+        .unwrap_or_else(machine_cores)
+}
+
+/// The cores this process may run on (at least 1): the default compute thread count.
+pub fn machine_cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 /// Makes the calling thread worker 0 of a new compute pool of `threads` threads in all (`None`: rayon's

@@ -1,22 +1,22 @@
 //! Damaged inputs, systematically: every scalar of a fixture's `config.json`, `tokenizer_config.json`,
-//! `tokenizer.json` settings, shard index and packed-store manifest replaced by values a broken or hand-edited
+//! `tokenizer.json` settings, shard index, a `generation_config.json` and a packed-store manifest replaced by values a broken or hand-edited
 //! file carries (zero, one, negative, odd, large, a float, a string, null, or the field removed); every tensor of
 //! the first layers re-declared with the same bytes under another shape or dtype; every file cut short. Each
 //! damaged copy must load and generate, or fail with an error that says something; none may panic. (The targeted
 //! tests in `pipeline.rs` and `streaming.rs` check the messages of the common cases; this one covers the fields
 //! nobody thought of.)
 
+mod common;
+
+use common::fixture;
+
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde_json::Value;
 use sluice_runtime::{
     convert_model, ExpertMode, ExpertOptions, GenerateParams, IoMode, Pipeline, PrefetchMode, Prompt, StoreLayout,
 };
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures").join(name)
-}
 
 /// One fixture per architecture and config shape: dense-attention MoE, Mixtral's names, a hybrid with its own
 /// fields, and a VLM-style config whose text model sits under `text_config`.
@@ -90,7 +90,9 @@ fn size_and_forecast(dir: &Path, opts: &ExpertOptions) -> Result<(), sluice_runt
         matvec_gbps: 20.0,
         call_seconds: 1e-5,
     };
-    let machine = MachineMemory::probe_for(opts.backend);
+    // The machine's memory, read once for every case (it is the same machine).
+    static MACHINE: std::sync::OnceLock<MachineMemory> = std::sync::OnceLock::new();
+    let machine = *MACHINE.get_or_init(|| MachineMemory::probe_for(opts.backend));
     let plan = MemoryPlan::new(machine, size.footprint, &PlanRequest::from_options(opts));
     for k in sluice_runtime::eval::default_top_ks(size.top_k, size.num_experts) {
         check_top_k(&size, k)?;

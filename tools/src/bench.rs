@@ -767,10 +767,10 @@ pub(crate) struct DiskProbe {
     pub(crate) pieces: usize,
 }
 
-/// Bytes of buffers a probe's reads land in, in turn. An expert cache reads each miss into a slot it has not
-/// touched for a while, and on this VM's disk that costs more than reading into a buffer just read into: the
-/// same reader read 2.26–2.43 GB/s into one buffer per thread and 1.67–1.95 GB/s into buffers rotating over
-/// 48 MB to 8 GB (`docs/performance-log.md`, the twenty-sixth session). So the probe rotates over as many bytes as this, no cache can
+/// Bytes of buffers a probe's reads land in, in turn. An expert cache reads each miss into a slot it has not touched
+/// for a while, and on this VM's disk that costs more than reading into a buffer just read into: the same reader read
+/// 2.26–2.43 GB/s into one buffer per thread and 1.67–1.95 GB/s into buffers rotating over 48 MB to 8 GB
+/// (`docs/performance-log.md`, the twenty-sixth session). So the probe rotates over as many bytes as this, no cache can
 /// read faster than that, and the bound it sets is one a cache can meet.
 const PROBE_POOL: usize = 256 << 20;
 
@@ -846,12 +846,11 @@ fn probe_each_depth(file: &Path, record: u64, depth: usize, time: Duration) -> R
     Ok((best, buffers))
 }
 
-/// The (depth, split) a probe tries: each depth of [`sluice_runtime::forecast::probe_depths`] with whole reads,
-/// and split into the engine's pieces ([`piece_len`]: at most [`expert_store::READ_PIECE`]) when a record is
-/// longer.
-/// On this VM three ~0.9 MB reads side by side read a 2.65 MB record 9–15% faster than one read
-/// (`docs/performance-log.md`, the twenty-sixth session); an in-place record's reads are pieces anyway (one per tensor), so a probe of whole reads
-/// alone would set too low a bar.
+/// The (depth, split) a probe tries: each depth of [`sluice_runtime::forecast::probe_depths`] with whole reads, and
+/// split into the engine's pieces ([`piece_len`]: at most [`expert_store::READ_PIECE`]) when a record is longer. On
+/// this VM three ~0.9 MB reads side by side read a 2.65 MB record 9–15% faster than one read
+/// (`docs/performance-log.md`, the twenty-sixth session); an in-place record's reads are pieces anyway (one per
+/// tensor), so a probe of whole reads alone would set too low a bar.
 fn probe_shapes(record: u64, depth: usize) -> Vec<(usize, bool)> {
     let depths = sluice_runtime::forecast::probe_depths(depth);
     let mut shapes: Vec<(usize, bool)> = depths.iter().map(|&d| (d, false)).collect();

@@ -285,7 +285,7 @@ fn check_threads(threads: Option<usize>) -> Result<()> {
     if threads == Some(0) {
         bail!("--threads must be at least 1");
     }
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cores = sluice_runtime::threads::machine_cores();
     let n = sluice_runtime::threads::compute_threads(threads);
     if n > MAX_THREADS_PER_CORE * cores {
         let from = if threads.is_some() {

@@ -474,12 +474,12 @@ fn sum_four_streams(c: &[u8]) -> u64 {
 /// Work below this many weight elements runs on the calling thread (rayon's overhead would dominate).
 const PAR_MIN_ELEMS: usize = 1 << 15;
 
-/// Bytes of int8 activations (the default `q8` kernels') one pass of [`matmul_many`] takes: a block of a long
-/// prompt's tokens whose activations stay in a core's L2 while every row of the task runs against them. On
-/// Zen 4 (1 MiB L2) a resident model prefilled 2,048-token passes ~9% slower whole (4 MB of activations at
-/// 2,048 columns) than in blocks of 128 tokens, and 512-token passes alike either way
-/// (`docs/performance-log.md`, "Thirty-third session"). The exact kernels' f32 copy of a block is four times as large; they were not tuned for it.
-/// The block also bounds each call's scratch (the outputs by weight row, the permuted input) to one block.
+/// Bytes of int8 activations (the default `q8` kernels') one pass of [`matmul_many`] takes: a block of a long prompt's
+/// tokens whose activations stay in a core's L2 while every row of the task runs against them. On Zen 4 (1 MiB L2) a
+/// resident model prefilled 2,048-token passes ~9% slower whole (4 MB of activations at 2,048 columns) than in blocks
+/// of 128 tokens, and 512-token passes alike either way (`docs/performance-log.md`, "Thirty-third session"). The exact
+/// kernels' f32 copy of a block is four times as large; they were not tuned for it. The block also bounds each call's
+/// scratch (the outputs by weight row, the permuted input) to one block.
 const TOKEN_BLOCK_BYTES: usize = 256 << 10;
 
 /// Tokens per pass of [`matmul_many`] for inputs of `cols` columns: [`TOKEN_BLOCK_BYTES`] of them as int8,
