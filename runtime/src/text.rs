@@ -176,6 +176,30 @@ fn tok_err(path: &Path, e: impl std::fmt::Display) -> ModelError {
     ModelError::Tokenizer(format!("{}: {e}", path.display()))
 }
 
+thread_local! {
+    /// Set while this thread runs [`catch_unwind_quietly`]'s closure.
+    static QUIET_PANICS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// `catch_unwind(f)` without the panic hook printing the panic: the caller reports it as an error of its own (a
+/// library that panics on a bad file), so a user sees one message, not a "panicked at" line before it. Panics
+/// on other threads, and outside `f`, go to the hook as before.
+fn catch_unwind_quietly<R>(f: impl FnOnce() -> R + std::panic::UnwindSafe) -> std::thread::Result<R> {
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !QUIET_PANICS.with(std::cell::Cell::get) {
+                previous(info);
+            }
+        }));
+    });
+    let was = QUIET_PANICS.with(|q| q.replace(true));
+    let result = std::panic::catch_unwind(f);
+    QUIET_PANICS.with(|q| q.set(was));
+    result
+}
+
 fn read_json(path: &Path) -> Result<Option<Value>> {
     if !path.exists() {
         return Ok(None);
@@ -209,7 +233,7 @@ impl TextCodec {
         }
         // The tokenizers crate panics on some inconsistent files (a BPE `continuing_subword_prefix` its merges do
         // not carry slices a token mid-character): that is a bad file, and an error, not a crash.
-        let built = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_file(&tpath));
+        let built = catch_unwind_quietly(|| tokenizers::Tokenizer::from_file(&tpath));
         let mut tok = match built {
             Ok(t) => t.map_err(|e| tok_err(&tpath, e))?,
             Err(panic) => {

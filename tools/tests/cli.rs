@@ -239,6 +239,21 @@ fn truncated_weights_file_is_named() {
 }
 
 #[test]
+fn a_tokenizer_the_library_panics_on_is_named_without_a_panic_message() {
+    let d = copy_fixture("qwen3_5_moe-q4g64");
+    let p = d.path().join("tokenizer.json");
+    let mut t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    // A BPE prefix its merges do not carry: the tokenizers crate slices a token mid-character and panics.
+    t["model"]["continuing_subword_prefix"] = "x".into();
+    std::fs::write(&p, t.to_string()).unwrap();
+    let err = fails(d.path(), &[]);
+    assert!(
+        err.contains("tokenizer.json") && err.contains("the tokenizers library could not build it"),
+        "{err}"
+    );
+}
+
+#[test]
 fn missing_tensor_is_named() {
     let d = copy_fixture("qwen3_moe-q4g64-overrides-vlm-sharded");
     std::fs::remove_file(d.path().join("model-00002-of-00002.safetensors")).unwrap();
